@@ -10,6 +10,7 @@ where it stopped when run again with the same flags.
 """
 
 import argparse
+import collections
 import glob
 import itertools
 import json
@@ -117,7 +118,11 @@ def local_documents(files, text_field):
                 with open(path, encoding="utf-8") as f:
                     for line_no, line in enumerate(f, 1):
                         if line.strip():
-                            yield row_text(json.loads(line), text_field, f"{path}:{line_no}")
+                            try:
+                                row = json.loads(line)
+                            except ValueError:
+                                die(f"{path}:{line_no} is not valid JSON; fix or remove that line")
+                            yield row_text(row, text_field, f"{path}:{line_no}")
             else:
                 import pyarrow.parquet as pq
                 parquet = pq.ParquetFile(path)
@@ -266,26 +271,34 @@ def main(argv=None):
         manifest["shards"].append(dict(file=name, tokens=int(fill), end_doc=end_doc, end_offset=end_offset))
         write_manifest(manifest_path, manifest)
 
+    def add(doc_tokens):
+        nonlocal fill, doc_index
+        for tokens in doc_tokens:
+            offset = start_offset if doc_index == start_doc else 0  # part of it went into the last shard
+            while offset < len(tokens):
+                take = min(len(tokens) - offset, args.shard_size - fill)
+                buffer[fill: fill + take] = tokens[offset: offset + take]
+                fill, offset = fill + take, offset + take
+                progress.update(take)
+                if fill == args.shard_size:
+                    finish_shard(doc_index, offset)
+                    fill = 0
+                    if enough():
+                        return
+            doc_index += 1
+        progress.set_postfix(docs=doc_index, docs_per_s=f"{(doc_index - start_doc) / (time.time() - t0):.0f}")
+
+    # documents are read here, in the main process, and tokenized by the workers a batch at a time, in order
     with mp.Pool(args.workers, initializer=init_worker) as pool:
-        for doc_tokens in pool.imap(tokenize_batch, batched(documents, DOCS_PER_TASK)):
-            for tokens in doc_tokens:
-                offset = start_offset if doc_index == start_doc else 0  # part of it went into the last shard
-                while offset < len(tokens):
-                    take = min(len(tokens) - offset, args.shard_size - fill)
-                    buffer[fill: fill + take] = tokens[offset: offset + take]
-                    fill, offset = fill + take, offset + take
-                    progress.update(take)
-                    if fill == args.shard_size:
-                        finish_shard(doc_index, offset)
-                        fill = 0
-                        if enough():
-                            break
-                doc_index += 1
-                if enough():
-                    break
-            progress.set_postfix(docs=doc_index, docs_per_s=f"{(doc_index - start_doc) / (time.time() - t0):.0f}")
+        pending = collections.deque()
+        for batch in batched(documents, DOCS_PER_TASK):
+            pending.append(pool.apply_async(tokenize_batch, (batch,)))
+            if len(pending) > 2 * args.workers:
+                add(pending.popleft().get())
             if enough():
                 break
+        while pending and not enough():
+            add(pending.popleft().get())
     progress.close()
     if fill and not enough():
         finish_shard(doc_index, 0)

@@ -1,0 +1,130 @@
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import REPO, run, stdlib_files
+from train_gpt2 import EOT_TOKEN, get_tokenizer, load_shard
+
+
+def read_shards(out_dir):
+    files = sorted(glob.glob(os.path.join(out_dir, "*.bin")), key=lambda f: f.rsplit("_", 1)[1])
+    return files, [np.array(load_shard(f)) for f in files]
+
+
+def expected_stream(docs):
+    enc = get_tokenizer()
+    return np.concatenate([[EOT_TOKEN] + enc.encode_ordinary(d) for d in docs]).astype(np.uint16)
+
+
+def documents():
+    """Real text: paragraphs of the stdlib's own docstrings and comments, with unicode mixed in."""
+    text = open(stdlib_files(1, start=10)[0]).read() + "\nnaïve café — ünïcödé ✓ 日本語\n"
+    return [p for p in text.split("\n\n") if p.strip()][:200]
+
+
+@pytest.mark.parametrize("kind", ["txt", "jsonl", "parquet"])
+def test_shards_hold_the_documents_tokens(kind, tmp_path):
+    docs = documents()
+    src = tmp_path / "src"
+    src.mkdir()
+    if kind == "txt":
+        for i, d in enumerate(docs):
+            (src / f"doc{i:04d}.txt").write_text(d)
+        inputs = [str(src / "*.txt")]
+    elif kind == "jsonl":
+        with open(src / "a.jsonl", "w") as f:
+            f.writelines(json.dumps({"body": d, "id": i}) + "\n" for i, d in enumerate(docs[:120]))
+        with open(src / "b.jsonl", "w") as f:
+            f.writelines(json.dumps({"body": d}) + "\n" for d in docs[120:])
+        inputs = [str(src / "a.jsonl"), str(src / "b.jsonl")]
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        pq.write_table(pa.table({"body": docs}), src / "docs.parquet", row_group_size=50)
+        inputs = [str(src / "docs.parquet")]
+    field = [] if kind == "txt" else ["--text_field", "body"]
+    out = tmp_path / "out"
+    proc = run("prepare_fineweb.py", "--input", *inputs, *field, "--out_dir", out, "--shard_size", 3000,
+               "--workers", 2, check=True)
+    files, shards = read_shards(out)
+    stream = expected_stream(docs)
+    assert np.array_equal(np.concatenate(shards), stream)
+    assert all(len(s) == 3000 for s in shards[:-1]) and 0 < len(shards[-1]) <= 3000
+    assert "_val_000000" in files[0] and all("_train_" in f for f in files[1:])
+    manifest = json.load(open(out / "manifest.json"))
+    assert manifest["documents"] == len(docs) and manifest["tokens"] == len(stream) and manifest["complete"]
+    assert f"{len(docs):,} documents" in proc.stdout
+
+
+def test_second_run_skips_and_killed_run_restarts_to_the_same_shards(tmp_path):
+    inputs = stdlib_files(150)
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    args = ["--input", *inputs, "--shard_size", 20000, "--workers", 1, "--prefix", "x"]
+    run("prepare_fineweb.py", *args, "--out_dir", straight, check=True)
+    mtimes = {f: os.path.getmtime(f) for f in glob.glob(str(straight / "*.bin"))}
+    proc = run("prepare_fineweb.py", *args, "--out_dir", straight, check=True)
+    assert "are done already" in proc.stdout
+    assert mtimes == {f: os.path.getmtime(f) for f in glob.glob(str(straight / "*.bin"))}
+
+    # stopped after 3 shards (as --max_shards does), and SIGKILLed at a random point: both restart correctly
+    run("prepare_fineweb.py", *args, "--out_dir", killed, "--max_shards", 3, check=True)
+    assert len(glob.glob(str(killed / "*.bin"))) == 3
+    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "prepare_fineweb.py"), *map(str, args), "--out_dir",
+                             str(killed)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    while proc.poll() is None and len(json.load(open(killed / "manifest.json"))["shards"]) < 5:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    proc = run("prepare_fineweb.py", *args, "--out_dir", killed, check=True)
+    assert "skipping" in proc.stdout
+    a_files, a = read_shards(straight)
+    b_files, b = read_shards(killed)
+    assert [os.path.basename(f) for f in a_files] == [os.path.basename(f) for f in b_files]
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def test_datasets_streaming_path_on_a_local_dataset(tmp_path):
+    pytest.importorskip("datasets")
+    docs = documents()
+    data = tmp_path / "local_dataset"
+    data.mkdir()
+    with open(data / "train.jsonl", "w") as f:
+        f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
+    out = tmp_path / "out"
+    run("prepare_fineweb.py", "--hf_dataset", data, "--out_dir", out, "--shard_size", 4000, "--workers", 2, check=True)
+    _, shards = read_shards(out)
+    assert np.array_equal(np.concatenate(shards), expected_stream(docs))
+
+
+def test_offline_hub_fails_at_once_pointing_to_input(tmp_path):
+    start = time.time()
+    proc = run("prepare_fineweb.py", "--out_dir", tmp_path / "out", env={"HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 2 and "--input" in proc.stderr and time.time() - start < 30
+
+
+@pytest.mark.parametrize("case", ["no_match", "missing_field", "unreadable", "bad_json"])
+def test_bad_input_gives_one_line_error(case, tmp_path):
+    expect = {"no_match": "matches no file", "missing_field": "no field 'text'", "unreadable": "cannot read",
+              "bad_json": "a.jsonl:2 is not valid JSON"}[case]
+    if case == "no_match":
+        inputs = [str(tmp_path / "nothing*.jsonl")]
+    elif case == "missing_field":
+        (tmp_path / "a.jsonl").write_text(json.dumps({"content": "hello"}) + "\n")
+        inputs = [str(tmp_path / "a.jsonl")]
+    elif case == "unreadable":
+        (tmp_path / "a.parquet").write_bytes(b"this is not parquet")
+        inputs = [str(tmp_path / "a.parquet")]
+    else:
+        (tmp_path / "a.jsonl").write_text('{"text": "fine"}\n{"text": broken\n')
+        inputs = [str(tmp_path / "a.jsonl")]
+    proc = run("prepare_fineweb.py", "--input", *inputs, "--out_dir", tmp_path / "out", "--workers", 1)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and expect in lines[0], proc.stderr
