@@ -383,21 +383,24 @@ def model_from_checkpoint(checkpoint):
 
 
 # ---- shared: generate ----
-def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
-    """Pick the next token from (B, V) logits: greedy at temperature 0, else sample from top-k / top-p."""
-    if temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = logits.float() / temperature
+def filter_logits(logits, top_k=None, top_p=None):
+    """Set to -inf every logit outside the top_k, and outside the smallest set whose probability reaches top_p."""
     if top_k is not None and top_k < logits.size(-1):
         kth = torch.topk(logits, top_k, dim=-1).values[:, [-1]]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = F.softmax(sorted_logits, dim=-1)
-        # keep the smallest set of tokens whose probability reaches top_p: a token goes if those before it already do
-        drop_sorted = probs.cumsum(dim=-1) - probs >= top_p
+        drop_sorted = probs.cumsum(dim=-1) - probs >= top_p  # the tokens before it already reach top_p
         logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
-    probs = F.softmax(logits, dim=-1)
+    return logits
+
+
+def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
+    """Pick the next token from (B, V) logits: greedy at temperature 0, else sample from top-k / top-p."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    probs = F.softmax(filter_logits(logits.float() / temperature, top_k, top_p), dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator)
 
 
@@ -561,24 +564,14 @@ def make_optimizers(model, args, device_type):
     return optimizers
 
 
-def lr_multiplier(step, args):
-    """Linear warm-up, then cosine decay to min_lr_ratio at max_steps."""
-    if step < args.warmup_steps:
-        return (step + 1) / args.warmup_steps
-    progress = min(1.0, (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps))
-    return args.min_lr_ratio + 0.5 * (1.0 + math.cos(math.pi * progress)) * (1.0 - args.min_lr_ratio)
-
-
-def set_schedule(optimizers, step, args):
-    """Apply the LR schedule to every optimizer; Muon's momentum warms up from 0.85."""
-    multiplier = lr_multiplier(step, args)
+def set_schedule(optimizers, multiplier, step, args):
+    """Scale every optimizer's learning rates by the schedule's multiplier; Muon's momentum warms up from 0.85."""
     for opt in optimizers:
         for group in opt.param_groups:
             group["lr"] = group["base_lr"] * multiplier
             if isinstance(opt, Muon):
                 frac = min(1.0, step / max(1, args.muon_momentum_warmup))
                 group["momentum"] = (1 - frac) * 0.85 + frac * args.muon_momentum
-    return multiplier
 # ---- end shared: optim ----
 
 
@@ -688,10 +681,8 @@ class ShardLoader:
         return buf[:-1].view(self.B, self.T), buf[1:].view(self.B, self.T)
 
 
-# -----------------------------------------------------------------------------
-# training
-
-stop_requested = False  # set by SIGTERM / Ctrl-C: save a checkpoint at the end of the step, then exit
+# ---- shared: loop ----
+stop_requested = False  # set by SIGTERM / Ctrl-C: the loop saves a checkpoint after the step, then exits
 
 
 def request_stop(signum, frame):
@@ -700,8 +691,90 @@ def request_stop(signum, frame):
     signal.signal(signum, signal.SIG_DFL)  # a second signal stops at once
 
 
-def main(argv=None):
+def timestamp(device_type):
+    """A point in time that costs no host sync: a CUDA event (read once per log line), else the clock."""
+    if device_type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def elapsed_ms(start, end):
+    return (end - start) * 1000 if isinstance(start, float) else start.elapsed_time(end)
+
+
+def train_step(train_model, raw_model, optimizers, scaler, next_batch, grad_accum_steps, grad_clip, device, autocast_ctx):
+    """One optimizer step over grad_accum_steps micro-batches, gradients all-reduced on the last one only.
+    Returns the mean loss as a device tensor (no host sync in here), the gradient norm, and timestamps."""
+    device_type = device.split(":")[0]
+    loss_accum = torch.zeros((), device=device)
+    marks = []
+    for micro_step in range(grad_accum_steps):
+        t0 = timestamp(device_type)
+        x, y = next_batch()
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        t1 = timestamp(device_type)
+        last = micro_step == grad_accum_steps - 1
+        with train_model.no_sync() if isinstance(train_model, DDP) and not last else nullcontext(), autocast_ctx:
+            _, loss = train_model(x, y)
+        loss = loss / grad_accum_steps
+        loss_accum += loss.detach()
+        scaler.scale(loss).backward()
+        marks.append((t0, t1, timestamp(device_type)))
+    for opt in optimizers:
+        scaler.unscale_(opt)
+    grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip or float("inf"))
+    for opt in optimizers:
+        scaler.step(opt)
+    scaler.update()
+    for opt in optimizers:
+        opt.zero_grad(set_to_none=True)
+    return loss_accum, grad_norm, (marks, timestamp(device_type))
+
+
+def agree_to_stop(loss_accum, world_size):
+    """Average the loss over ranks and share any rank's stop request, so that every rank stops at the same step."""
     global stop_requested
+    stop_flag = torch.tensor(float(stop_requested), device=loss_accum.device)
+    if world_size > 1:
+        dist.all_reduce(loss_accum, op=dist.ReduceOp.AVG)
+        dist.all_reduce(stop_flag, op=dist.ReduceOp.MAX)
+    stop_requested = stop_requested or bool(stop_flag.item())
+    return stop_requested
+
+
+def step_record(step, loss, lr, grad_norm, timings, interval_s, tokens_per_step, flops_per_step, peak_flops, world_size):
+    """The step's log record and line; times are averaged over the steps since the last line."""
+    n = len(timings)
+    step_s = interval_s / n
+    data_ms = sum(elapsed_ms(a, b) for marks, _ in timings for a, b, _ in marks) / n
+    fb_ms = sum(elapsed_ms(b, c) for marks, _ in timings for _, b, c in marks) / n
+    opt_ms = sum(elapsed_ms(marks[-1][2], end) for marks, end in timings) / n
+    record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "ms": step_s * 1000,
+              "tok_per_s": tokens_per_step / step_s, "data_ms": data_ms, "fwd_bwd_ms": fb_ms, "opt_ms": opt_ms}
+    line = (f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | norm {grad_norm:.4f} | {step_s * 1000:.1f} ms "
+            f"(data {data_ms:.1f}, fwd+bwd {fb_ms:.1f}, opt {opt_ms:.1f}) | {record['tok_per_s']:,.0f} tok/s")
+    if peak_flops:
+        record["mfu"] = flops_per_step / step_s / (peak_flops * world_size)
+        line += f" | MFU {record['mfu'] * 100:.1f}%"
+    return record, line
+# ---- end shared: loop ----
+
+
+# -----------------------------------------------------------------------------
+# training
+
+
+def lr_multiplier(step, args):
+    """Linear warm-up, then cosine decay to min_lr_ratio at max_steps."""
+    if step < args.warmup_steps:
+        return (step + 1) / args.warmup_steps
+    progress = min(1.0, (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps))
+    return args.min_lr_ratio + 0.5 * (1.0 + math.cos(math.pi * progress)) * (1.0 - args.min_lr_ratio)
+
+
+def main(argv=None):
     args = get_args(argv)
     rank, local_rank, world_size, device = init_distributed(args.device)
     device_type = device.split(":")[0]
@@ -823,16 +896,6 @@ def main(argv=None):
         if world_size > 1:
             dist.barrier()
 
-    def timestamp():  # where the time goes, without a host sync: CUDA events are read once per log line
-        if device_type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def elapsed_ms(start, end):
-        return start.elapsed_time(end) if device_type == "cuda" else (end - start) * 1000
-
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     flops_per_step = raw_model.flops_per_token(T) * args.total_batch_size
@@ -870,58 +933,20 @@ def main(argv=None):
         if last_step:
             break
 
-        # ---- one optimizer step over grad_accum_steps micro-batches
+        # ---- one optimizer step, then the log: the step's one host sync
         if not timings:
             t_interval = time.perf_counter()
-        lr_mult = set_schedule(optimizers, step, args)
-        loss_accum = torch.zeros((), device=device)  # on the device: no host sync inside the micro-step loop
-        marks = []
-        for micro_step in range(grad_accum_steps):
-            t0 = timestamp()
-            x, y = train_loader.next_batch()
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            t1 = timestamp()
-            # gradients are all-reduced only on the last micro-step
-            sync = world_size == 1 or micro_step == grad_accum_steps - 1
-            with train_model.no_sync() if not sync else nullcontext(), autocast_ctx:
-                _, loss = train_model(x, y)
-            loss = loss / grad_accum_steps
-            loss_accum += loss.detach()
-            scaler.scale(loss).backward()
-            marks.append((t0, t1, timestamp()))
-        for opt in optimizers:
-            scaler.unscale_(opt)
-        grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.grad_clip or float("inf"))
-        for opt in optimizers:
-            scaler.step(opt)
-        scaler.update()
-        for opt in optimizers:
-            opt.zero_grad(set_to_none=True)
-        timings.append((marks, timestamp()))
-
-        # ---- log: the one host sync of the step, and the only collective besides DDP's
-        stop_flag = torch.tensor(float(stop_requested), device=device)
-        if world_size > 1:
-            dist.all_reduce(loss_accum, op=dist.ReduceOp.AVG)
-            dist.all_reduce(stop_flag, op=dist.ReduceOp.MAX)  # every rank stops at the same step
-        stop_requested = stop_requested or bool(stop_flag.item())
+        lr_mult = lr_multiplier(step, args)
+        set_schedule(optimizers, lr_mult, step, args)
+        loss_accum, grad_norm, marks = train_step(train_model, raw_model, optimizers, scaler, train_loader.next_batch,
+                                                  grad_accum_steps, args.grad_clip, device, autocast_ctx)
+        timings.append(marks)
+        agree_to_stop(loss_accum, world_size)
         if step % args.log_every == 0 or step == args.max_steps - 1:
-            loss_value = loss_accum.item()
-            step_s = (time.perf_counter() - t_interval) / len(timings)
-            data_ms = sum(elapsed_ms(a, b) for marks, _ in timings for a, b, _ in marks) / len(timings)
-            fb_ms = sum(elapsed_ms(b, c) for marks, _ in timings for _, b, c in marks) / len(timings)
-            opt_ms = sum(elapsed_ms(marks[-1][2], end) for marks, end in timings) / len(timings)
+            log(*step_record(step, loss_accum.item(), args.lr * lr_mult, grad_norm.item(), timings,
+                             time.perf_counter() - t_interval, args.total_batch_size, flops_per_step, peak_flops,
+                             world_size))
             timings.clear()
-            tokens_per_s = args.total_batch_size / step_s
-            record = {"step": step, "loss": loss_value, "lr": args.lr * lr_mult, "grad_norm": grad_norm.item(),
-                      "ms": step_s * 1000, "tok_per_s": tokens_per_s, "data_ms": data_ms, "fwd_bwd_ms": fb_ms,
-                      "opt_ms": opt_ms}
-            line = (f"step {step:5d} | loss {loss_value:.6f} | lr {args.lr * lr_mult:.4e} | norm {record['grad_norm']:.4f} "
-                    f"| {step_s * 1000:.1f} ms (data {data_ms:.1f}, fwd+bwd {fb_ms:.1f}, opt {opt_ms:.1f}) | {tokens_per_s:,.0f} tok/s")
-            if peak_flops:
-                record["mfu"] = flops_per_step / step_s / (peak_flops * world_size)
-                line += f" | MFU {record['mfu'] * 100:.1f}%"
-            log(record, line)
 
     if wandb_run is not None:
         wandb_run.finish()

