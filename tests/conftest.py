@@ -63,3 +63,12 @@ def shards(tmp_path_factory):
     run("prepare_fineweb.py", "--input", *stdlib_files(60), "--out_dir", out, "--shard_size", 100_000,
         "--workers", 2, check=True)
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def base_ckpt(shards, tmp_path_factory):
+    """A tiny base model trained for 30 steps by train_gpt2.py: its out_dir."""
+    out = tmp_path_factory.mktemp("base")
+    run("train_gpt2.py", *TINY, "--data_dir", shards, "--out_dir", out, "--max_steps", 30, "--eval_every", 30,
+        check=True)
+    return str(out)

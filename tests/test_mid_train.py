@@ -1,0 +1,116 @@
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+
+import mid_train
+from conftest import REPO, TINY, run, torchrun, train_losses, val_losses
+
+MID = ["--micro_batch_size", "4", "--seq_len", "64", "--lr", "3e-3", "--dtype", "float32", "--device", "cpu",
+       "--sample_len", "0", "--val_fraction", "0.1"]
+
+
+def conversations(n=240, seed=0):
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        a, b = rng.randint(1, 20), rng.randint(1, 20)
+        turns = [{"role": "user", "content": f"What is {a} plus {b}?"},
+                 {"role": "assistant", "content": f"{a} plus {b} is {a + b}."}]
+        if i % 3 == 0:
+            turns = [{"role": "system", "content": "You are a calculator."}] + turns + [
+                {"role": "user", "content": "Thanks!"}, {"role": "assistant", "content": "You are welcome."}]
+        out.append(turns)
+    return out
+
+
+def write_chat(path, convs, wrapped=True):
+    with open(path, "w") as f:
+        for c in convs:
+            f.write(json.dumps({"messages": c} if wrapped else c) + "\n")
+
+
+def test_rendering_round_trips_and_masks_only_the_assistant():
+    enc = mid_train.get_chat_tokenizer()
+    conv = conversations(3)[0]
+    ids, mask = mid_train.render_conversation(enc, conv)
+    assert enc.decode(ids) == "".join(["<|bos|>"] + [f"<|{m['role']}_start|>{m['content']}<|{m['role']}_end|>" for m in conv])
+    learned = enc.decode([t for t, m in zip(ids, mask) if m])
+    assert learned == "".join(f"{m['content']}<|assistant_end|>" for m in conv if m["role"] == "assistant")
+    assert all(t >= 50257 for t in enc.encode("<|bos|><|user_start|><|assistant_end|>", allowed_special="all"))
+
+
+def test_packing_invariants():
+    enc = mid_train.get_chat_tokenizer()
+    items = [mid_train.render_conversation(enc, c) for c in conversations(200)]
+    items.append(mid_train.render_conversation(enc, [{"role": "user", "content": "word " * 200},
+                                                     {"role": "assistant", "content": "ok"}]))
+    capacity = 65
+    rows, cropped = mid_train.pack_rows(items, capacity)
+    assert cropped == 1
+    used = sorted(i for row in rows for i in row)
+    assert used == list(range(len(items)))  # every conversation exactly once
+    assert all(sum(len(items[i][0]) for i in row) <= capacity for row in rows if len(row) > 1)
+    tokens, mask = mid_train.rows_to_arrays(rows, items, capacity)
+    bos = enc.encode_single_token("<|bos|>")
+    assert (tokens[:, 0] == bos).all()  # every row starts at a conversation start
+    fills = [sum(len(items[i][0]) for i in row) for row in rows]
+    assert sum(fill <= capacity // 2 for fill in fills) <= 1  # best fit: at most one row is half empty or less
+
+
+def test_epochs_repeat_each_conversation(tmp_path):
+    write_chat(tmp_path / "a.jsonl", conversations(50))
+    args = mid_train.get_args(["--init_from", "gpt2", "--data", f"chat:{tmp_path / 'a.jsonl'}:3", "--val_fraction", "0.1"])
+    splits = mid_train.build_data(args, mid_train.get_chat_tokenizer(), 65)
+    assert splits["train"][2] == 45 * 3 and splits["val"][2] == 5
+
+
+def test_midtraining_lowers_val_loss_and_chats(base_ckpt, tmp_path):
+    write_chat(tmp_path / "chat.jsonl", conversations(240))
+    write_chat(tmp_path / "bare.jsonl", conversations(60, seed=1), wrapped=False)
+    out = tmp_path / "mid"
+    proc = run("mid_train.py", *MID, "--init_ckpt", base_ckpt, "--data", f"chat:{tmp_path / 'chat.jsonl'}",
+               f"chat:{tmp_path / 'bare.jsonl'}:2", "--out_dir", out, "--max_steps", 100, "--eval_every", 50,
+               "--micro_batch_size", 8, "--lr", 1e-2, check=True)
+    val = val_losses(out)
+    assert val[100] < val[50] < val[0] - 5.0, val
+    assert "val bpb" in proc.stdout
+    chat = subprocess.run([sys.executable, "sample.py", "--ckpt", str(out), "--chat", "--temperature", "0",
+                           "--max_new_tokens", "20"], input="What is 3 plus 4?\n", cwd=REPO, capture_output=True,
+                          text=True)
+    assert chat.returncode == 0, chat.stderr
+    reply = chat.stdout.split("assistant: ", 1)[1].split("\n")[0]
+    assert "plus" in reply  # it answers in the shape it was taught, and stops at <|assistant_end|>
+    assert "<|" not in reply
+
+
+def test_ddp_matches_single_process_and_resume_is_exact(base_ckpt, tmp_path):
+    write_chat(tmp_path / "chat.jsonl", conversations(240))
+    flags = [*MID, "--init_ckpt", base_ckpt, "--data", f"chat:{tmp_path / 'chat.jsonl'}", "--max_steps", 8,
+             "--eval_every", 4, "--save_every", 4, "--total_batch_size", 512]
+    run("mid_train.py", *flags, "--out_dir", tmp_path / "single", check=True)
+    torchrun("mid_train.py", *flags, "--out_dir", tmp_path / "ddp")
+    single, ddp = train_losses(tmp_path / "single"), train_losses(tmp_path / "ddp")
+    assert sorted(ddp) == list(range(8)) and all(abs(single[s] - ddp[s]) < 1e-5 for s in single), (single, ddp)
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    (resumed / "ckpt_0000004.pt").hardlink_to(tmp_path / "single" / "ckpt_0000004.pt")
+    run("mid_train.py", *flags, "--out_dir", resumed, "--resume", check=True)
+    again = train_losses(resumed)
+    assert sorted(again) == [4, 5, 6, 7] and all(again[s] == single[s] for s in again)
+    assert val_losses(resumed)[8] == val_losses(tmp_path / "single")[8]
+
+
+@pytest.mark.parametrize("case", ["malformed", "unknown_role", "empty"])
+def test_bad_data_names_file_and_line(case, base_ckpt, tmp_path):
+    good = json.dumps({"messages": conversations(1)[0]})
+    bad = {"malformed": '{"messages": [', "unknown_role": json.dumps([{"role": "robot", "content": "beep"}]),
+           "empty": json.dumps({"messages": []})}[case]
+    path = tmp_path / "chat.jsonl"
+    path.write_text(f"{good}\n{good}\n{bad}\n")
+    proc = run("mid_train.py", *MID, "--init_ckpt", base_ckpt, "--data", f"chat:{path}", "--out_dir", tmp_path / "o")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and f"{path}:3" in lines[0], proc.stderr
+    assert {"malformed": "not valid JSON", "unknown_role": "unknown role 'robot'", "empty": "empty"}[case] in lines[0]
