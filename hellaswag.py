@@ -212,7 +212,7 @@ class GPT(nn.Module):
             kv_cache.pos += T
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=-1)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
     def num_params(self):
@@ -282,6 +282,14 @@ def autocast_dtype(dtype_arg, device_type):
     if device_type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return torch.bfloat16
     return torch.float32
+
+
+def use_compile(compile_arg, device_type):
+    """torch.compile: 2x on CPU and more on CUDA; inductor needs a C++ compiler on CPU, and MPS support is young."""
+    if compile_arg != "auto":
+        return compile_arg == "on"
+    import shutil
+    return device_type == "cuda" or (device_type == "cpu" and any(map(shutil.which, ("g++", "c++", "clang++"))))
 
 
 def autocast_context(device_type, dtype):

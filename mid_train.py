@@ -71,7 +71,8 @@ def get_args(argv=None):
     p.add_argument("--device", default="auto", help="auto, cuda, cuda:N, mps or cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="autocast dtype; auto: bfloat16 where the device supports it, else float32")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--compile", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
+                   help="torch.compile the model; auto: on for CUDA, and for CPU where a C++ compiler is found")
     p.add_argument("--eval_every", type=int, default=100, help="val loss, bits per byte and a sample every N steps")
     p.add_argument("--prompt", default="What is the capital of France?", help="user message of the in-loop sample")
     p.add_argument("--sample_len", type=int, default=64, help="tokens of the in-loop sample at most")
@@ -283,7 +284,7 @@ class GPT(nn.Module):
             kv_cache.pos += T
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=-1)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
     def num_params(self):
@@ -353,6 +354,14 @@ def autocast_dtype(dtype_arg, device_type):
     if device_type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return torch.bfloat16
     return torch.float32
+
+
+def use_compile(compile_arg, device_type):
+    """torch.compile: 2x on CPU and more on CUDA; inductor needs a C++ compiler on CPU, and MPS support is young."""
+    if compile_arg != "auto":
+        return compile_arg == "on"
+    import shutil
+    return device_type == "cuda" or (device_type == "cpu" and any(map(shutil.which, ("g++", "c++", "clang++"))))
 
 
 def autocast_context(device_type, dtype):
@@ -911,7 +920,7 @@ def main(argv=None):
     if device_type == "cuda":
         torch.set_float32_matmul_precision("high")
     optimizers = make_optimizers(raw_model, args, device_type)
-    if args.compile:
+    if use_compile(args.compile, device_type):
         model = torch.compile(model)
     train_model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None) if world_size > 1 else model
 

@@ -69,7 +69,8 @@ def get_args(argv=None):
     p.add_argument("--device", default="auto", help="auto, cuda, cuda:N, mps or cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="autocast dtype; auto: bfloat16 where the device supports it, else float32")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model (eval and sampling still work)")
+    p.add_argument("--compile", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
+                   help="torch.compile the model; auto: on for CUDA, and for CPU where a C++ compiler is found")
     # eval, sampling, checkpoints, logging
     p.add_argument("--eval_every", type=int, default=250, help="val loss and samples every N steps (and at the end)")
     p.add_argument("--val_tokens", type=int, default=10485760, help="tokens of the val shard each eval reads")
@@ -259,7 +260,7 @@ class GPT(nn.Module):
             kv_cache.pos += T
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=-1)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
     def num_params(self):
@@ -329,6 +330,14 @@ def autocast_dtype(dtype_arg, device_type):
     if device_type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return torch.bfloat16
     return torch.float32
+
+
+def use_compile(compile_arg, device_type):
+    """torch.compile: 2x on CPU and more on CUDA; inductor needs a C++ compiler on CPU, and MPS support is young."""
+    if compile_arg != "auto":
+        return compile_arg == "on"
+    import shutil
+    return device_type == "cuda" or (device_type == "cpu" and any(map(shutil.which, ("g++", "c++", "clang++"))))
 
 
 def autocast_context(device_type, dtype):
@@ -821,7 +830,7 @@ def main(argv=None):
     if device_type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and newer
     optimizers = make_optimizers(raw_model, args, device_type)
-    if args.compile:
+    if use_compile(args.compile, device_type):
         model = torch.compile(model)
     train_model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None) if world_size > 1 else model
 

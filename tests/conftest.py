@@ -16,7 +16,7 @@ sys.path.insert(0, REPO)
 # a tiny GPT that trains in well under a second a step on a 2-core CPU; float32 so that runs compare exactly
 TINY = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "64", "--seq_len", "32",
         "--micro_batch_size", "4", "--total_batch_size", "256", "--warmup_steps", "2", "--lr", "3e-3",
-        "--dtype", "float32", "--device", "cpu", "--num_samples", "0", "--val_tokens", "512"]
+        "--dtype", "float32", "--device", "cpu", "--num_samples", "0", "--val_tokens", "512", "--compile", "off"]
 
 
 def run(script, *args, env=None, timeout=600, check=False):
