@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 HUB_SOURCES = {  # what `KIND:hub` loads through `datasets`
@@ -71,6 +72,8 @@ def get_args(argv=None):
     p.add_argument("--device", default="auto", help="auto, cuda, cuda:N, mps or cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="autocast dtype; auto: bfloat16 where the device supports it, else float32")
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard weights, gradients and optimizer state over the ranks (FSDP2) instead of DDP")
     p.add_argument("--compile", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
                    help="torch.compile the model; auto: on for CUDA, and for CPU where a C++ compiler is found")
     p.add_argument("--eval_every", type=int, default=100, help="val loss, bits per byte and a sample every N steps")
@@ -490,7 +493,7 @@ class Muon(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps))
 
     @torch.no_grad()
-    def step(self):
+    def step(self, closure=None):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -611,6 +614,8 @@ def train_step(train_model, raw_model, optimizers, scaler, next_batch, grad_accu
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         t1 = timestamp(device_type)
         last = micro_step == grad_accum_steps - 1
+        if isinstance(raw_model, FSDPModule):
+            raw_model.set_requires_gradient_sync(last)
         with train_model.no_sync() if isinstance(train_model, DDP) and not last else nullcontext(), autocast_ctx:
             _, loss = train_model(x, y)
         loss = loss / grad_accum_steps
@@ -620,6 +625,8 @@ def train_step(train_model, raw_model, optimizers, scaler, next_batch, grad_accu
     for opt in optimizers:
         scaler.unscale_(opt)
     grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip or float("inf"))
+    if hasattr(grad_norm, "full_tensor"):  # under FSDP the norm is over the sharded gradients of all ranks
+        grad_norm = grad_norm.full_tensor()
     for opt in optimizers:
         scaler.step(opt)
     scaler.update()
@@ -639,21 +646,64 @@ def agree_to_stop(loss_accum, world_size):
     return stop_requested
 
 
-def step_record(step, loss, lr, grad_norm, timings, interval_s, tokens_per_step, flops_per_step, peak_flops, world_size):
-    """The step's log record and line; times are averaged over the steps since the last line."""
+def peak_memory_gib(device):
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # the process's peak RSS (Linux: KiB)
+
+
+def step_record(step, loss, lr, grad_norm, timings, interval_s, tokens_per_step, flops_per_step, peak_flops, device,
+                world_size):
+    """The step's log record and line. Times are averaged over the steps since the last line; tokens/s is over
+    all ranks in the slowest rank's time, MFU over all devices; peak memory is per rank. A collective."""
     n = len(timings)
-    step_s = interval_s / n
+    stats = [torch.tensor([interval_s, peak_memory_gib(device)], device=device) for _ in range(world_size)]
+    if world_size > 1:
+        dist.all_gather(stats, stats[0].clone())
+    step_s = max(s[0].item() for s in stats) / n
+    memory = [round(s[1].item(), 3) for s in stats]
     data_ms = sum(elapsed_ms(a, b) for marks, _ in timings for a, b, _ in marks) / n
     fb_ms = sum(elapsed_ms(b, c) for marks, _ in timings for _, b, c in marks) / n
     opt_ms = sum(elapsed_ms(marks[-1][2], end) for marks, end in timings) / n
     record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "ms": step_s * 1000,
-              "tok_per_s": tokens_per_step / step_s, "data_ms": data_ms, "fwd_bwd_ms": fb_ms, "opt_ms": opt_ms}
+              "tok_per_s": tokens_per_step / step_s, "data_ms": data_ms, "fwd_bwd_ms": fb_ms, "opt_ms": opt_ms,
+              "peak_mem_gib": memory}
     line = (f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | norm {grad_norm:.4f} | {step_s * 1000:.1f} ms "
-            f"(data {data_ms:.1f}, fwd+bwd {fb_ms:.1f}, opt {opt_ms:.1f}) | {record['tok_per_s']:,.0f} tok/s")
+            f"(data {data_ms:.1f}, fwd+bwd {fb_ms:.1f}, opt {opt_ms:.1f}) | {record['tok_per_s']:,.0f} tok/s "
+            f"| mem {max(memory):.2f} GiB/rank")
     if peak_flops:
         record["mfu"] = flops_per_step / step_s / (peak_flops * world_size)
         line += f" | MFU {record['mfu'] * 100:.1f}%"
     return record, line
+
+
+def shard_model(model, dtype):
+    """FSDP2: each block, then the rest (embedding tied with the head, final norm), sharded over the ranks. With
+    bfloat16 the blocks compute in it from fp32 master weights, and gradients are reduced in fp32."""
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 \
+        else MixedPrecisionPolicy()
+    for block in model.transformer.h:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+
+
+def training_state(raw_model, optimizers):
+    """Full model and optimizer state dicts, the optimizer's keyed by parameter name, on rank 0: one checkpoint
+    format whether the run was sharded or not. A collective under FSDP: every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    return get_state_dict(raw_model, optimizers, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_optimizer_state(raw_model, optimizers, optimizer_state):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    set_optimizer_state_dict(raw_model, optimizers, optimizer_state, options=StateDictOptions(full_state_dict=True))
+
+
+def parameter_mib(model):
+    """This rank's parameter memory: all of it under DDP, its shard under FSDP."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    return sum(p.numel() * p.element_size() for p in local) / 2**20
 # ---- end shared: loop ----
 
 
@@ -916,21 +966,28 @@ def main(argv=None):
     raw_model = model
     dtype = autocast_dtype(args.dtype, device_type)
     autocast_ctx = autocast_context(device_type, dtype)
+    if args.fsdp:
+        if world_size == 1:
+            die("--fsdp shards over processes: launch with torchrun --nproc_per_node=N")
+        if args.optimizer == "muon" or dtype == torch.float16:
+            die("--fsdp trains with AdamW in bfloat16 or float32; drop --optimizer muon / --dtype float16")
+        shard_model(model, dtype)
+        autocast_ctx = nullcontext()  # FSDP's mixed-precision policy casts instead
     scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
     if device_type == "cuda":
         torch.set_float32_matmul_precision("high")
     optimizers = make_optimizers(raw_model, args, device_type)
     if use_compile(args.compile, device_type):
         model = torch.compile(model)
-    train_model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None) if world_size > 1 else model
+    train_model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None) \
+        if world_size > 1 and not args.fsdp else model
 
     start_step, val_loss, wandb_run_id = 0, None, None
     if checkpoint is not None:
         if checkpoint["num_train_rows"] != len(train_tokens):
             die(f"--resume with other data: {len(train_tokens)} train rows now, {checkpoint['num_train_rows']} in the "
                 f"checkpoint; resume with the same --data, --seq_len and --seed")
-        for opt, state in zip(optimizers, checkpoint["optimizer"]):
-            opt.load_state_dict(state)
+        load_optimizer_state(raw_model, optimizers, checkpoint["optimizer"])
         scaler.load_state_dict(checkpoint["scaler"])
         train_loader.pos = checkpoint["loader"]["pos"]
         torch.set_rng_state(checkpoint["rng"]["cpu"])
@@ -950,8 +1007,9 @@ def main(argv=None):
             wandb_run_id = wandb_run.id
         print(f"{n_train:,} train conversations (with epochs) in {len(train_tokens):,} rows of {T + 1} tokens, "
               f"{cropped} cropped; {n_val:,} val conversations in {len(val_tokens):,} rows")
-        print(f"{raw_model.num_params():,} parameters | {device} {str(dtype).replace('torch.', '')} | {world_size} "
-              f"process(es) | {args.max_steps} steps of {total_batch_size:,} tokens = {grad_accum_steps} x {B} x {T} x {world_size}")
+        print(f"{raw_model.num_params():,} parameters, {parameter_mib(raw_model):.1f} MiB of them per rank "
+              f"({'FSDP' if args.fsdp else 'DDP' if world_size > 1 else 'one process'}) | {device} "
+              f"{str(dtype).replace('torch.', '')} | {args.max_steps} steps of {total_batch_size:,} tokens = {grad_accum_steps} x {B} x {T} x {world_size}")
 
     def log(record, line):
         if master:
@@ -981,9 +1039,10 @@ def main(argv=None):
         return loss / learned_tokens, loss_with_bytes / math.log(2) / max(total_bytes, 1)
 
     def save(step):
+        model_state, optimizer_state = training_state(raw_model, optimizers)
         if master:
             checkpoint = {
-                "model": raw_model.state_dict(), "optimizer": [opt.state_dict() for opt in optimizers],
+                "model": model_state, "optimizer": optimizer_state,
                 "scaler": scaler.state_dict(), "step": step, "config": asdict(raw_model.config), "args": vars(args),
                 "loader": {"pos": train_loader.pos}, "num_train_rows": len(train_tokens),
                 "rng": {"cpu": torch.get_rng_state()}, "val_loss": val_loss, "wandb_run_id": wandb_run_id,
@@ -1012,7 +1071,7 @@ def main(argv=None):
             val_loss, val_bpb = evaluate_val()
             log({"step": step, "val_loss": val_loss, "val_bpb": val_bpb},
                 f"step {step:5d} | val loss {val_loss:.4f} | val bpb {val_bpb:.4f}")
-            if master and args.sample_len:
+            if (master or args.fsdp) and args.sample_len:  # FSDP ranks forward in lockstep
                 raw_model.eval()
                 prompt = torch.tensor([render_for_reply(enc, [{"role": "user", "content": args.prompt}])], device=device)
                 generator = torch.Generator(device).manual_seed(args.seed + step)
@@ -1022,7 +1081,8 @@ def main(argv=None):
                     if token.item() in stop_reply:
                         break
                     reply.append(token.item())
-                print(f"sample | user: {args.prompt!r} | assistant: {enc.decode(reply)!r}", flush=True)
+                if master:
+                    print(f"sample | user: {args.prompt!r} | assistant: {enc.decode(reply)!r}", flush=True)
                 raw_model.train()
         if step > start_step and (step % args.save_every == 0 or last_step):
             save(step)
@@ -1039,7 +1099,8 @@ def main(argv=None):
         agree_to_stop(loss_accum, world_size)
         if step % args.log_every == 0 or step == args.max_steps - 1:
             log(*step_record(step, loss_accum.item(), args.lr * lr_mult, grad_norm.item(), timings,
-                             time.perf_counter() - t_interval, total_batch_size, flops_per_step, peak_flops, world_size))
+                             time.perf_counter() - t_interval, total_batch_size, flops_per_step, peak_flops, device,
+                             world_size))
             timings.clear()
 
     if wandb_run is not None:

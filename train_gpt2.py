@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 # -----------------------------------------------------------------------------
@@ -69,6 +70,8 @@ def get_args(argv=None):
     p.add_argument("--device", default="auto", help="auto, cuda, cuda:N, mps or cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="autocast dtype; auto: bfloat16 where the device supports it, else float32")
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard weights, gradients and optimizer state over the ranks (FSDP2) instead of DDP")
     p.add_argument("--compile", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
                    help="torch.compile the model; auto: on for CUDA, and for CPU where a C++ compiler is found")
     # eval, sampling, checkpoints, logging
@@ -538,7 +541,7 @@ class Muon(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps))
 
     @torch.no_grad()
-    def step(self):
+    def step(self, closure=None):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -725,6 +728,8 @@ def train_step(train_model, raw_model, optimizers, scaler, next_batch, grad_accu
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         t1 = timestamp(device_type)
         last = micro_step == grad_accum_steps - 1
+        if isinstance(raw_model, FSDPModule):
+            raw_model.set_requires_gradient_sync(last)
         with train_model.no_sync() if isinstance(train_model, DDP) and not last else nullcontext(), autocast_ctx:
             _, loss = train_model(x, y)
         loss = loss / grad_accum_steps
@@ -734,6 +739,8 @@ def train_step(train_model, raw_model, optimizers, scaler, next_batch, grad_accu
     for opt in optimizers:
         scaler.unscale_(opt)
     grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip or float("inf"))
+    if hasattr(grad_norm, "full_tensor"):  # under FSDP the norm is over the sharded gradients of all ranks
+        grad_norm = grad_norm.full_tensor()
     for opt in optimizers:
         scaler.step(opt)
     scaler.update()
@@ -753,21 +760,64 @@ def agree_to_stop(loss_accum, world_size):
     return stop_requested
 
 
-def step_record(step, loss, lr, grad_norm, timings, interval_s, tokens_per_step, flops_per_step, peak_flops, world_size):
-    """The step's log record and line; times are averaged over the steps since the last line."""
+def peak_memory_gib(device):
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # the process's peak RSS (Linux: KiB)
+
+
+def step_record(step, loss, lr, grad_norm, timings, interval_s, tokens_per_step, flops_per_step, peak_flops, device,
+                world_size):
+    """The step's log record and line. Times are averaged over the steps since the last line; tokens/s is over
+    all ranks in the slowest rank's time, MFU over all devices; peak memory is per rank. A collective."""
     n = len(timings)
-    step_s = interval_s / n
+    stats = [torch.tensor([interval_s, peak_memory_gib(device)], device=device) for _ in range(world_size)]
+    if world_size > 1:
+        dist.all_gather(stats, stats[0].clone())
+    step_s = max(s[0].item() for s in stats) / n
+    memory = [round(s[1].item(), 3) for s in stats]
     data_ms = sum(elapsed_ms(a, b) for marks, _ in timings for a, b, _ in marks) / n
     fb_ms = sum(elapsed_ms(b, c) for marks, _ in timings for _, b, c in marks) / n
     opt_ms = sum(elapsed_ms(marks[-1][2], end) for marks, end in timings) / n
     record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "ms": step_s * 1000,
-              "tok_per_s": tokens_per_step / step_s, "data_ms": data_ms, "fwd_bwd_ms": fb_ms, "opt_ms": opt_ms}
+              "tok_per_s": tokens_per_step / step_s, "data_ms": data_ms, "fwd_bwd_ms": fb_ms, "opt_ms": opt_ms,
+              "peak_mem_gib": memory}
     line = (f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | norm {grad_norm:.4f} | {step_s * 1000:.1f} ms "
-            f"(data {data_ms:.1f}, fwd+bwd {fb_ms:.1f}, opt {opt_ms:.1f}) | {record['tok_per_s']:,.0f} tok/s")
+            f"(data {data_ms:.1f}, fwd+bwd {fb_ms:.1f}, opt {opt_ms:.1f}) | {record['tok_per_s']:,.0f} tok/s "
+            f"| mem {max(memory):.2f} GiB/rank")
     if peak_flops:
         record["mfu"] = flops_per_step / step_s / (peak_flops * world_size)
         line += f" | MFU {record['mfu'] * 100:.1f}%"
     return record, line
+
+
+def shard_model(model, dtype):
+    """FSDP2: each block, then the rest (embedding tied with the head, final norm), sharded over the ranks. With
+    bfloat16 the blocks compute in it from fp32 master weights, and gradients are reduced in fp32."""
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 \
+        else MixedPrecisionPolicy()
+    for block in model.transformer.h:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+
+
+def training_state(raw_model, optimizers):
+    """Full model and optimizer state dicts, the optimizer's keyed by parameter name, on rank 0: one checkpoint
+    format whether the run was sharded or not. A collective under FSDP: every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    return get_state_dict(raw_model, optimizers, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_optimizer_state(raw_model, optimizers, optimizer_state):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    set_optimizer_state_dict(raw_model, optimizers, optimizer_state, options=StateDictOptions(full_state_dict=True))
+
+
+def parameter_mib(model):
+    """This rank's parameter memory: all of it under DDP, its shard under FSDP."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    return sum(p.numel() * p.element_size() for p in local) / 2**20
 # ---- end shared: loop ----
 
 
@@ -826,13 +876,21 @@ def main(argv=None):
 
     dtype = autocast_dtype(args.dtype, device_type)
     autocast_ctx = autocast_context(device_type, dtype)
+    if args.fsdp:
+        if world_size == 1:
+            die("--fsdp shards over processes: launch with torchrun --nproc_per_node=N")
+        if args.optimizer == "muon" or dtype == torch.float16:
+            die("--fsdp trains with AdamW in bfloat16 or float32; drop --optimizer muon / --dtype float16")
+        shard_model(model, dtype)
+        autocast_ctx = nullcontext()  # FSDP's mixed-precision policy casts instead
     scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
     if device_type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and newer
     optimizers = make_optimizers(raw_model, args, device_type)
     if use_compile(args.compile, device_type):
         model = torch.compile(model)
-    train_model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None) if world_size > 1 else model
+    train_model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None) \
+        if world_size > 1 and not args.fsdp else model
 
     pin = device_type == "cuda"
     train_loader = ShardLoader(train_files, B, T, rank, world_size, pin_memory=pin)
@@ -843,8 +901,7 @@ def main(argv=None):
 
     start_step, val_loss, wandb_run_id = 0, None, None
     if checkpoint is not None:
-        for opt, state in zip(optimizers, checkpoint["optimizer"]):
-            opt.load_state_dict(state)
+        load_optimizer_state(raw_model, optimizers, checkpoint["optimizer"])
         scaler.load_state_dict(checkpoint["scaler"])
         train_loader.load_state(checkpoint["loader"])
         torch.set_rng_state(checkpoint["rng"]["cpu"])
@@ -864,8 +921,9 @@ def main(argv=None):
         if args.wandb_project:
             wandb_run = init_wandb(args, wandb_run_id, vars(args))
             wandb_run_id = wandb_run.id
-        print(f"{raw_model.num_params():,} parameters | {device} {str(dtype).replace('torch.', '')} | "
-              f"{world_size} process(es) | {args.total_batch_size:,} tokens/step = {grad_accum_steps} x {B} x {T} x {world_size}")
+        print(f"{raw_model.num_params():,} parameters, {parameter_mib(raw_model):.1f} MiB of them per rank "
+              f"({'FSDP' if args.fsdp else 'DDP' if world_size > 1 else 'one process'}) | {device} "
+              f"{str(dtype).replace('torch.', '')} | {args.total_batch_size:,} tokens/step = {grad_accum_steps} x {B} x {T} x {world_size}")
 
     def log(record, line):
         if master:
@@ -891,9 +949,10 @@ def main(argv=None):
         return loss_sum.item() / val_steps
 
     def save(step):
+        model_state, optimizer_state = training_state(raw_model, optimizers)
         if master:
             checkpoint = {
-                "model": raw_model.state_dict(), "optimizer": [opt.state_dict() for opt in optimizers],
+                "model": model_state, "optimizer": optimizer_state,
                 "scaler": scaler.state_dict(), "step": step, "config": asdict(raw_model.config), "args": vars(args),
                 "loader": train_loader.state(), "rng": {"cpu": torch.get_rng_state()}, "val_loss": val_loss,
                 "wandb_run_id": wandb_run_id, "kind": "base",
@@ -923,18 +982,19 @@ def main(argv=None):
             log({"step": step, "val_loss": val_loss}, f"step {step:5d} | val loss {val_loss:.4f}")
         if hellaswag_examples and (step % args.hellaswag_every == 0 or last_step):
             raw_model.eval()
+            split = (0, 1) if args.fsdp else (rank, world_size)  # FSDP ranks forward in lockstep: all score all
             correct, correct_norm, count = evaluate_hellaswag(raw_model, hellaswag_examples, enc, device, 16,
-                                                              rank, world_size, autocast_ctx)
+                                                              *split, autocast_ctx)
             raw_model.train()
             log({"step": step, "hellaswag_acc": correct / count, "hellaswag_acc_norm": correct_norm / count},
                 f"step {step:5d} | hellaswag acc {correct / count:.4f} acc_norm {correct_norm / count:.4f} ({count})")
-        if master and args.num_samples and step > start_step and (step % args.eval_every == 0 or last_step):
+        if (master or args.fsdp) and args.num_samples and step > start_step and (step % args.eval_every == 0 or last_step):
             raw_model.eval()
             generator = torch.Generator(device).manual_seed(args.seed + step)  # leaves the training RNG alone
             prompt = torch.tensor([enc.encode(args.prompt)] * args.num_samples, device=device)
             tokens = torch.cat(list(generate(raw_model, prompt, args.sample_len, enc.n_vocab, top_k=50,
                                              generator=generator, autocast_ctx=autocast_ctx)), dim=1)
-            for i, row in enumerate(tokens.tolist()):
+            for i, row in enumerate(tokens.tolist() if master else []):
                 print(f"sample {i}: {args.prompt}{enc.decode(row)!r}")
             raw_model.train()
         if step > start_step and (step % args.save_every == 0 or last_step):
@@ -954,7 +1014,7 @@ def main(argv=None):
         if step % args.log_every == 0 or step == args.max_steps - 1:
             log(*step_record(step, loss_accum.item(), args.lr * lr_mult, grad_norm.item(), timings,
                              time.perf_counter() - t_interval, args.total_batch_size, flops_per_step, peak_flops,
-                             world_size))
+                             device, world_size))
             timings.clear()
 
     if wandb_run is not None:
