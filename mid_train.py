@@ -555,27 +555,36 @@ def device_peak_flops(device, override=None):
     return None
 
 
-def init_wandb(args, run_id, config):
-    """wandb run named by --wandb_run_name with the flags as config; the same run continues on resume."""
-    import wandb
-    run = wandb.init(project=args.wandb_project, name=args.wandb_run_name, id=run_id, resume="allow",
-                     config=config, dir=args.out_dir)
-    return run
-
-
-def append_jsonl(path, record):
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-def truncate_log(path, step):
-    """On resume, drop log records past the checkpoint (a killed run may have written some)."""
-    if os.path.exists(path):
-        with open(path) as f:
-            keep = [line for line in f if json.loads(line).get("step", 0) < step]
+def open_run_log(args, master, start_step, wandb_run_id):
+    """Rank 0's log: out_dir/log.jsonl (on resume, records past the checkpoint, which a killed run may have written,
+    are dropped) and wandb when --wandb_project is set, the same run continued on resume.
+    Returns log(record, line), the wandb run and its id."""
+    path = os.path.join(args.out_dir, "log.jsonl")
+    wandb_run = None
+    if master:
+        os.makedirs(args.out_dir, exist_ok=True)
+        kept = []
+        if start_step > 0 and os.path.exists(path):
+            with open(path) as f:
+                kept = [line for line in f if json.loads(line).get("step", 0) < start_step]
         with open(path + ".tmp", "w") as f:
-            f.writelines(keep)
+            f.writelines(kept)
         os.replace(path + ".tmp", path)
+        if args.wandb_project:
+            import wandb
+            wandb_run = wandb.init(project=args.wandb_project, name=args.wandb_run_name, id=wandb_run_id,
+                                   resume="allow", config=vars(args), dir=args.out_dir)
+            wandb_run_id = wandb_run.id
+
+    def log(record, line):
+        if master:
+            print(line, flush=True)
+            with open(path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+            if wandb_run is not None:
+                wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    return log, wandb_run, wandb_run_id
 # ---- end shared: logging ----
 
 
@@ -993,31 +1002,15 @@ def main(argv=None):
         torch.set_rng_state(checkpoint["rng"]["cpu"])
         start_step, val_loss, wandb_run_id = checkpoint["step"], checkpoint["val_loss"], checkpoint["wandb_run_id"]
         del checkpoint
-    log_path = os.path.join(args.out_dir, "log.jsonl")
-    wandb_run = None
+    log, wandb_run, wandb_run_id = open_run_log(args, master, start_step, wandb_run_id)
     if master:
-        os.makedirs(args.out_dir, exist_ok=True)
         if start_step > 0:
             print(f"resuming from {ckpt_path} at step {start_step}")
-            truncate_log(log_path, start_step)
-        elif os.path.exists(log_path):
-            os.remove(log_path)
-        if args.wandb_project:
-            wandb_run = init_wandb(args, wandb_run_id, vars(args))
-            wandb_run_id = wandb_run.id
         print(f"{n_train:,} train conversations (with epochs) in {len(train_tokens):,} rows of {T + 1} tokens, "
               f"{cropped} cropped; {n_val:,} val conversations in {len(val_tokens):,} rows")
         print(f"{raw_model.num_params():,} parameters, {parameter_mib(raw_model):.1f} MiB of them per rank "
               f"({'FSDP' if args.fsdp else 'DDP' if world_size > 1 else 'one process'}) | {device} "
               f"{str(dtype).replace('torch.', '')} | {args.max_steps} steps of {total_batch_size:,} tokens = {grad_accum_steps} x {B} x {T} x {world_size}")
-
-    def log(record, line):
-        if master:
-            print(line, flush=True)
-            append_jsonl(log_path, record)
-            if wandb_run is not None:
-                wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
-
     @torch.no_grad()
     def evaluate_val():
         """Loss per learned token and bits per byte over the whole val split; rows split across ranks."""

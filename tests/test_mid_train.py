@@ -84,6 +84,10 @@ def test_midtraining_lowers_val_loss_and_chats(base_ckpt, tmp_path):
     reply = chat.stdout.split("assistant: ", 1)[1].split("\n")[0]
     assert "plus" in reply  # it answers in the shape it was taught, and stops at <|assistant_end|>
     assert "<|" not in reply
+    from test_hellaswag import write_fixture
+    write_fixture(tmp_path / "h.jsonl", 4)
+    scored = json.loads(run("hellaswag.py", "--ckpt", out, "--data_file", tmp_path / "h.jsonl", check=True).stdout)
+    assert scored["examples"] == 4  # a midtrained checkpoint evaluates like a base one
 
 
 def test_ddp_matches_single_process_and_resume_is_exact(base_ckpt, tmp_path):

@@ -239,3 +239,25 @@ def test_bad_input_gives_one_line_error(case, shards, tmp_path):
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and expect in lines[0], proc.stderr
+
+
+def test_npy_shards_train_the_same_as_bin(shards, tmp_path):
+    """build-nanogpt writes its shards as 1-D uint16 .npy files: the same tokens give the same run."""
+    from train_gpt2 import find_shards, load_shard
+    npy = tmp_path / "npy"
+    npy.mkdir()
+    for f in find_shards(shards, "val") + find_shards(shards, "train"):
+        np.save(npy / os.path.basename(f).replace(".bin", ".npy"), np.array(load_shard(f)))
+    flags = [*TINY, "--max_steps", 3, "--eval_every", 3]
+    run("train_gpt2.py", *flags, "--data_dir", shards, "--out_dir", tmp_path / "bin", check=True)
+    run("train_gpt2.py", *flags, "--data_dir", npy, "--out_dir", tmp_path / "npy_run", check=True)
+    assert train_losses(tmp_path / "bin") == train_losses(tmp_path / "npy_run")
+
+
+def test_float16_trains_with_a_grad_scaler(shards, tmp_path):
+    out = tmp_path / "fp16"
+    run("train_gpt2.py", *TINY, "--dtype", "float16", "--data_dir", shards, "--out_dir", out, "--max_steps", 6,
+        "--eval_every", 6, check=True)
+    val = val_losses(out)
+    assert np.isfinite(list(val.values())).all() and val[6] < val[0]
+    assert torch.load(out / "ckpt_0000006.pt", weights_only=True)["scaler"]["scale"] > 0

@@ -1,0 +1,52 @@
+"""
+HellaSwag scoring speed: examples/s scored in padded batches vs one at a time, the same model and examples, and
+the same counts (checked). Uses the scoring code that hellaswag.py and train_gpt2.py share.
+
+    python bench/hellaswag_speed.py --data_file ../shared/data/hellaswag/hellaswag_val_subset1000.jsonl --limit 200
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import train_gpt2 as tg  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data_file", required=True, help="HellaSwag .jsonl")
+    p.add_argument("--limit", type=int, default=200, help="examples")
+    p.add_argument("--preset", default="gpt2", choices=list(tg.MODEL_SIZES), help="model size (random weights)")
+    p.add_argument("--ckpt", help="a checkpoint instead")
+    p.add_argument("--batch_sizes", nargs="+", type=int, default=[1, 16], help="examples per forward to compare")
+    p.add_argument("--device", default="auto", help="auto, cuda, mps or cpu")
+    p.add_argument("--dtype", default="auto", help="autocast dtype (auto: bfloat16 where supported)")
+    args = p.parse_args()
+    _, _, _, device = tg.init_distributed(args.device)
+    device_type = device.split(":")[0]
+    torch.manual_seed(0)
+    model = tg.model_from_checkpoint(tg.load_checkpoint(args.ckpt)[0]) if args.ckpt else \
+        tg.GPT(tg.GPTConfig(**tg.MODEL_SIZES[args.preset]))
+    model.to(device).eval()
+    ctx = tg.autocast_context(device_type, tg.autocast_dtype(args.dtype, device_type))
+    examples, enc = tg.load_hellaswag(args.data_file, args.limit), tg.get_tokenizer()
+    print(f"| model | device | examples | batch | examples/s | vs first | acc_norm |\n|---|---|---:|---:|---:|---:|---:|")
+    first, counts = None, set()
+    for batch_size in args.batch_sizes:
+        tg.evaluate_hellaswag(model, examples[:batch_size], enc, device, batch_size, autocast_ctx=ctx)  # warm-up
+        start = time.perf_counter()
+        correct, correct_norm, count = tg.evaluate_hellaswag(model, examples, enc, device, batch_size, autocast_ctx=ctx)
+        speed = count / (time.perf_counter() - start)
+        first = first or speed
+        counts.add((correct, correct_norm))
+        print(f"| {args.ckpt or args.preset} | {device} | {count} | {batch_size} | {speed:.2f} | {speed / first:.2f}x | "
+              f"{correct_norm / count:.4f} |", flush=True)
+    print(f"the same counts at every batch size: {len(counts) == 1}")
+
+
+if __name__ == "__main__":
+    main()
