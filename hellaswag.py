@@ -41,7 +41,7 @@ def get_args(argv=None):
     p.add_argument("--batch_size", type=int, default=16, help="examples per forward pass (4 rows each)")
     p.add_argument("--device", default="auto", help="auto, cuda, mps or cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                   help="autocast dtype; auto: bfloat16 where supported")
+                   help="weights dtype; auto: bfloat16 where supported (float32 for the reference GPT-2 figures)")
     args = p.parse_args(argv)
     if (args.ckpt is None) == (args.hf is None):
         die("give a checkpoint with --ckpt, or --hf gpt2 for OpenAI's weights")
@@ -389,9 +389,10 @@ def score_hellaswag(model, rendered, device, n_vocab, autocast_ctx=nullcontext()
     tokens, mask = tokens.to(device), mask.to(device)
     with autocast_ctx:
         logits, _ = model(tokens)
-    logits = logits[:, :-1, :n_vocab].float()  # scored over the tokenizer's vocab, padding ids excluded
-    losses = F.cross_entropy(logits.reshape(-1, n_vocab), tokens[:, 1:].reshape(-1), reduction="none")
-    losses = losses.view(len(rows), -1) * mask[:, 1:]
+    scored = mask[:, 1:].bool()  # only the predictions of the ending tokens count: the rest is never scored
+    losses = torch.zeros(len(rows), width - 1, device=device)
+    losses[scored] = F.cross_entropy(logits[:, :-1][scored][:, :n_vocab].float(), tokens[:, 1:][scored],
+                                     reduction="none")  # over the tokenizer's vocab, padding ids excluded
     sum_loss = losses.sum(dim=1).view(-1, 4)
     mean_loss = sum_loss / mask[:, 1:].sum(dim=1).view(-1, 4)
     return sum_loss.argmin(dim=1).tolist(), mean_loss.argmin(dim=1).tolist()
@@ -400,15 +401,16 @@ def score_hellaswag(model, rendered, device, n_vocab, autocast_ctx=nullcontext()
 def evaluate_hellaswag(model, examples, enc, device, batch_size=8, rank=0, world_size=1, autocast_ctx=nullcontext()):
     """acc and acc_norm over the examples, split across ranks; returns (correct, correct_norm, count) summed."""
     n_vocab = min(enc.n_vocab, model.config.vocab_size)
-    mine = examples[rank::world_size]
+    rendered = [render_hellaswag(ex, enc) for ex in examples[rank::world_size]]
+    rendered.sort(key=lambda r: max(map(len, r[0])))  # examples of similar length batch together: little padding
     correct = correct_norm = 0
-    for i in range(0, len(mine), batch_size):
-        rendered = [render_hellaswag(ex, enc) for ex in mine[i: i + batch_size]]
-        pred, pred_norm = score_hellaswag(model, rendered, device, n_vocab, autocast_ctx)
-        labels = [r[2] for r in rendered]
+    for i in range(0, len(rendered), batch_size):
+        batch = rendered[i: i + batch_size]
+        pred, pred_norm = score_hellaswag(model, batch, device, n_vocab, autocast_ctx)
+        labels = [r[2] for r in batch]
         correct += sum(p == y for p, y in zip(pred, labels))
         correct_norm += sum(p == y for p, y in zip(pred_norm, labels))
-    counts = torch.tensor([correct, correct_norm, len(mine)], dtype=torch.long, device=device)
+    counts = torch.tensor([correct, correct_norm, len(rendered)], dtype=torch.long, device=device)
     if world_size > 1:
         dist.all_reduce(counts)
     return tuple(counts.tolist())
@@ -455,11 +457,11 @@ def main(argv=None):
         checkpoint, name = load_checkpoint(args.ckpt)
         model = model_from_checkpoint(checkpoint)
         del checkpoint
-    model.to(device).eval()
-    autocast_ctx = autocast_context(device_type, autocast_dtype(args.dtype, device_type))
+    # inference only: the weights are cast to the dtype once, no autocast
+    model.to(device=device, dtype=autocast_dtype(args.dtype, device_type)).eval()
     start = time.perf_counter()
     correct, correct_norm, count = evaluate_hellaswag(model, examples, get_tokenizer(), device, args.batch_size, rank,
-                                                      world_size, autocast_ctx)
+                                                      world_size)
     seconds = time.perf_counter() - start
     if rank == 0:
         print(json.dumps({"model": name, "data": path, "examples": count, "acc": correct / count,

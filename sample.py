@@ -43,7 +43,7 @@ def get_args(argv=None):
     p.add_argument("--chat", action="store_true", help="interactive multi-turn chat with a mid_train.py checkpoint")
     p.add_argument("--device", default="auto", help="auto, cuda, mps or cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                   help="autocast dtype; auto: bfloat16 where supported")
+                   help="weights dtype; auto: bfloat16 where supported")
     args = p.parse_args(argv)
     if (args.ckpt is None) == (args.hf is None):
         die("give a checkpoint with --ckpt, or --hf gpt2 for OpenAI's weights")
@@ -463,7 +463,7 @@ def main(argv=None):
     args = get_args(argv)
     _, _, _, device = init_distributed(args.device)
     device_type = device.split(":")[0]
-    autocast_ctx = autocast_context(device_type, autocast_dtype(args.dtype, device_type))
+    dtype = autocast_dtype(args.dtype, device_type)  # inference only: the weights are cast once, no autocast
     if args.hf:
         model, kind = GPT.from_pretrained(args.hf), "base"
     else:
@@ -471,14 +471,14 @@ def main(argv=None):
         model, kind = model_from_checkpoint(checkpoint), checkpoint.get("kind", "base")
         print(f"loaded {path} ({kind}, step {checkpoint.get('step')})", file=sys.stderr)
         del checkpoint
-    model.to(device).eval()
+    model.to(device=device, dtype=dtype).eval()
     enc = get_chat_tokenizer() if kind == "mid" else get_tokenizer()
     generator = torch.Generator(device).manual_seed(args.seed)
 
     def generate_from(ids):
         idx = torch.tensor([ids], dtype=torch.long, device=device)
         return generate(model, idx, args.max_new_tokens, enc.n_vocab, args.temperature, args.top_k or None,
-                        args.top_p, generator, use_cache=not args.no_cache, autocast_ctx=autocast_ctx)
+                        args.top_p, generator, use_cache=not args.no_cache)
 
     if args.chat:
         if kind != "mid":

@@ -487,9 +487,10 @@ def score_hellaswag(model, rendered, device, n_vocab, autocast_ctx=nullcontext()
     tokens, mask = tokens.to(device), mask.to(device)
     with autocast_ctx:
         logits, _ = model(tokens)
-    logits = logits[:, :-1, :n_vocab].float()  # scored over the tokenizer's vocab, padding ids excluded
-    losses = F.cross_entropy(logits.reshape(-1, n_vocab), tokens[:, 1:].reshape(-1), reduction="none")
-    losses = losses.view(len(rows), -1) * mask[:, 1:]
+    scored = mask[:, 1:].bool()  # only the predictions of the ending tokens count: the rest is never scored
+    losses = torch.zeros(len(rows), width - 1, device=device)
+    losses[scored] = F.cross_entropy(logits[:, :-1][scored][:, :n_vocab].float(), tokens[:, 1:][scored],
+                                     reduction="none")  # over the tokenizer's vocab, padding ids excluded
     sum_loss = losses.sum(dim=1).view(-1, 4)
     mean_loss = sum_loss / mask[:, 1:].sum(dim=1).view(-1, 4)
     return sum_loss.argmin(dim=1).tolist(), mean_loss.argmin(dim=1).tolist()
@@ -498,15 +499,16 @@ def score_hellaswag(model, rendered, device, n_vocab, autocast_ctx=nullcontext()
 def evaluate_hellaswag(model, examples, enc, device, batch_size=8, rank=0, world_size=1, autocast_ctx=nullcontext()):
     """acc and acc_norm over the examples, split across ranks; returns (correct, correct_norm, count) summed."""
     n_vocab = min(enc.n_vocab, model.config.vocab_size)
-    mine = examples[rank::world_size]
+    rendered = [render_hellaswag(ex, enc) for ex in examples[rank::world_size]]
+    rendered.sort(key=lambda r: max(map(len, r[0])))  # examples of similar length batch together: little padding
     correct = correct_norm = 0
-    for i in range(0, len(mine), batch_size):
-        rendered = [render_hellaswag(ex, enc) for ex in mine[i: i + batch_size]]
-        pred, pred_norm = score_hellaswag(model, rendered, device, n_vocab, autocast_ctx)
-        labels = [r[2] for r in rendered]
+    for i in range(0, len(rendered), batch_size):
+        batch = rendered[i: i + batch_size]
+        pred, pred_norm = score_hellaswag(model, batch, device, n_vocab, autocast_ctx)
+        labels = [r[2] for r in batch]
         correct += sum(p == y for p, y in zip(pred, labels))
         correct_norm += sum(p == y for p, y in zip(pred_norm, labels))
-    counts = torch.tensor([correct, correct_norm, len(mine)], dtype=torch.long, device=device)
+    counts = torch.tensor([correct, correct_norm, len(rendered)], dtype=torch.long, device=device)
     if world_size > 1:
         dist.all_reduce(counts)
     return tuple(counts.tolist())

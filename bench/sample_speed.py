@@ -23,15 +23,15 @@ def main():
     p.add_argument("--ckpt", help="a checkpoint instead")
     p.add_argument("--new_tokens", type=int, default=256, help="tokens to generate")
     p.add_argument("--device", default="auto", help="auto, cuda, mps or cpu")
-    p.add_argument("--dtype", default="auto", help="autocast dtype (auto: bfloat16 where supported)")
+    p.add_argument("--dtype", default="auto", help="weights dtype (auto: bfloat16 where supported)")
     args = p.parse_args()
     _, _, _, device = tg.init_distributed(args.device)
     device_type = device.split(":")[0]
     torch.manual_seed(0)
     model = tg.model_from_checkpoint(tg.load_checkpoint(args.ckpt)[0]) if args.ckpt else \
         tg.GPT(tg.GPTConfig(**tg.MODEL_SIZES[args.preset]))
-    model.to(device).eval()
-    ctx = tg.autocast_context(device_type, tg.autocast_dtype(args.dtype, device_type))
+    model.to(device=device, dtype=tg.autocast_dtype(args.dtype, device_type)).eval()  # as sample.py: cast once
+    ctx = tg.nullcontext()
     prompt = torch.tensor([tg.get_tokenizer().encode("Hello, I'm a language model,")], device=device)
     print(f"| model | device | new tokens | cache | tokens/s | vs no cache |\n|---|---|---:|---|---:|---:|")
     results = {}

@@ -59,7 +59,7 @@ def bench_variant(args, mode, dtype_name, device):
     dtype = getattr(torch, dtype_name)
     autocast_ctx = tg.autocast_context(device.split(":")[0], dtype)
     scaler = torch.amp.GradScaler(device.split(":")[0], enabled=dtype == torch.float16)
-    train_model = torch.compile(model) if mode == "compile" else model
+    train_model = model if mode == "eager" else torch.compile(model, mode=None if mode == "compile" else mode)
     B = args.micro_batch_size
     data = torch.randint(0, 50257, (B, T + 1))
     pin = device.startswith("cuda")
@@ -90,7 +90,7 @@ def main():
     p.add_argument("--seq_len", type=int, help="tokens per sequence (default: the context length)")
     p.add_argument("--grad_accum", type=int, default=1, help="micro-steps per timed step")
     p.add_argument("--variants", nargs="+", default=["eager:float32", "eager:bfloat16", "compile:bfloat16"],
-                   help="MODE:DTYPE to compare, MODE eager or compile")
+                   help="MODE:DTYPE to compare, MODE eager, compile or a torch.compile mode (max-autotune)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
     p.add_argument("--steps", type=int, default=5, help="timed steps")
     p.add_argument("--device", default="auto", help="auto, cuda, mps or cpu")
