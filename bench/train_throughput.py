@@ -18,23 +18,26 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_gpt2 as tg  # noqa: E402
 
-PRESETS = {"demo": dict(n_layer=4, n_head=4, n_embd=256, block_size=256),
+PRESETS = {"demo": {k: tg.DEMO_PRESET[k] for k in ("n_layer", "n_head", "n_embd", "block_size")},
            **{name: dict(size, block_size=1024) for name, size in tg.MODEL_SIZES.items()}}
 
 
-def matmul_peak(dtype, device, n=2048, repeats=10):
-    """Best FLOP/s of square matmuls of a few sizes: the practical peak of this device in this dtype."""
+def matmul_peak(dtype, device, trials=3):
+    """Best FLOP/s of square matmuls over a few sizes and trials: the practical peak of this device in this dtype
+    (the best, since other load on the machine only ever lowers a reading)."""
     best = 0.0
-    for size in (1024, n):
-        a, b = torch.randn(size, size, dtype=dtype, device=device), torch.randn(size, size, dtype=dtype, device=device)
-        for _ in range(3):
-            a @ b
-        sync(device)
-        start = time.perf_counter()
-        for _ in range(repeats):
-            a @ b
-        sync(device)
-        best = max(best, 2 * size**3 * repeats / (time.perf_counter() - start))
+    for _ in range(trials):
+        for size in (512, 1024, 2048, 4096):
+            a, b = (torch.randn(size, size, dtype=dtype, device=device) for _ in range(2))
+            for _ in range(2):
+                a @ b
+            repeats = max(3, int(2e10 / (2 * size**3)))
+            sync(device)
+            start = time.perf_counter()
+            for _ in range(repeats):
+                a @ b
+            sync(device)
+            best = max(best, 2 * size**3 * repeats / (time.perf_counter() - start))
     return best
 
 
@@ -51,7 +54,8 @@ def peak_memory_gib(device):
 
 def bench_variant(args, mode, dtype_name, device):
     torch.manual_seed(0)
-    config = tg.GPTConfig(**{**PRESETS[args.preset], **({"n_embd": args.n_embd} if args.n_embd else {})})
+    overrides = {k: getattr(args, k) for k in ("n_embd", "n_layer", "n_head") if getattr(args, k)}
+    config = tg.GPTConfig(**{**PRESETS[args.preset], **overrides})
     T = args.seq_len or config.block_size
     model = tg.GPT(config).to(device)
     opt_args = argparse.Namespace(optimizer="adamw", lr=1e-4, weight_decay=0.1, muon_lr=0.02, muon_momentum=0.95)
@@ -85,7 +89,9 @@ def bench_variant(args, mode, dtype_name, device):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="demo", choices=list(PRESETS), help="model size")
-    p.add_argument("--n_embd", type=int, help="override the width (n_head stays)")
+    p.add_argument("--n_embd", type=int, help="override the width")
+    p.add_argument("--n_layer", type=int, help="override the depth")
+    p.add_argument("--n_head", type=int, help="override the number of heads")
     p.add_argument("--micro_batch_size", type=int, default=16, help="sequences per forward pass")
     p.add_argument("--seq_len", type=int, help="tokens per sequence (default: the context length)")
     p.add_argument("--grad_accum", type=int, default=1, help="micro-steps per timed step")
