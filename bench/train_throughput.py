@@ -73,13 +73,14 @@ def bench_variant(args, mode, dtype_name, device):
     for _ in range(args.warmup):
         loss, _, _ = tg.train_step(train_model, model, optimizers, scaler, batch, args.grad_accum, 1.0, device, autocast_ctx)
     loss.item()
-    sync(device)
-    start = time.perf_counter()
+    step_seconds = []  # the median step: other load on the machine only ever slows some steps down
     for _ in range(args.steps):
+        start = time.perf_counter()
         loss, _, _ = tg.train_step(train_model, model, optimizers, scaler, batch, args.grad_accum, 1.0, device, autocast_ctx)
-    loss.item()
-    sync(device)
-    seconds = (time.perf_counter() - start) / args.steps
+        loss.item()
+        sync(device)
+        step_seconds.append(time.perf_counter() - start)
+    seconds = sorted(step_seconds)[len(step_seconds) // 2]
     tokens = B * T * args.grad_accum
     flops_per_token = model.flops_per_token(T)
     return dict(tok_s=tokens / seconds, flops_per_token=flops_per_token, flops=flops_per_token * tokens / seconds,
@@ -98,7 +99,7 @@ def main():
     p.add_argument("--variants", nargs="+", default=["eager:float32", "eager:bfloat16", "compile:bfloat16"],
                    help="MODE:DTYPE to compare, MODE eager, compile or a torch.compile mode (max-autotune)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
-    p.add_argument("--steps", type=int, default=5, help="timed steps")
+    p.add_argument("--steps", type=int, default=10, help="timed steps (the median is reported)")
     p.add_argument("--device", default="auto", help="auto, cuda, mps or cpu")
     p.add_argument("--peak_flops", type=float, help="bf16 peak FLOP/s to divide by (GPUs known to train_gpt2.py are detected)")
     args = p.parse_args()
