@@ -13,7 +13,6 @@ model's context, the last half of it is kept and run again, and generation goes 
 import argparse
 import codecs
 import glob
-import json
 import os
 import sys
 import time
@@ -440,7 +439,7 @@ def stream(tokens, enc, stop_tokens, out=sys.stdout):
     return ids
 
 
-def chat(model, enc, args, generate_from):
+def chat(enc, generate_from):
     """Read a user turn, stream the assistant's reply up to <|assistant_end|>, keep the conversation, repeat."""
     stop = {enc.encode_single_token("<|assistant_end|>"), EOT_TOKEN}
     messages = []
@@ -483,7 +482,7 @@ def main(argv=None):
     if args.chat:
         if kind != "mid":
             die("--chat needs a checkpoint of mid_train.py (this one is a base model); sample with a --prompt instead")
-        return chat(model, enc, args, generate_from)
+        return chat(enc, generate_from)
 
     if args.prompt_file:
         prompt = open(args.prompt_file).read()

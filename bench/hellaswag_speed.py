@@ -34,7 +34,7 @@ def main():
     model.to(device=device, dtype=tg.autocast_dtype(args.dtype, device_type)).eval()  # as hellaswag.py: cast once
     ctx = tg.nullcontext()
     examples, enc = tg.load_hellaswag(args.data_file, args.limit), tg.get_tokenizer()
-    print(f"| model | device | examples | batch | examples/s | vs first | acc_norm |\n|---|---|---:|---:|---:|---:|---:|")
+    print("| model | device | examples | batch | examples/s | vs first | acc_norm |\n|---|---|---:|---:|---:|---:|---:|")
     first, counts = None, set()
     for batch_size in args.batch_sizes:
         tg.evaluate_hellaswag(model, examples[:batch_size], enc, device, batch_size, autocast_ctx=ctx)  # warm-up

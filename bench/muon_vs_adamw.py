@@ -56,7 +56,7 @@ def main():
         curves[optimizer] = val_curve(out)
     tokens_per_step = args.total_batch_size
     target = curves["adamw"][args.max_steps]
-    print(f"\n| step | tokens | AdamW val loss | Muon val loss |\n|---:|---:|---:|---:|")
+    print("\n| step | tokens | AdamW val loss | Muon val loss |\n|---:|---:|---:|---:|")
     for step in sorted(curves["adamw"]):
         print(f"| {step} | {step * tokens_per_step:,} | {curves['adamw'][step]:.4f} | {curves['muon'][step]:.4f} |")
     for optimizer in ("adamw", "muon"):

@@ -33,7 +33,7 @@ def main():
     model.to(device=device, dtype=tg.autocast_dtype(args.dtype, device_type)).eval()  # as sample.py: cast once
     ctx = tg.nullcontext()
     prompt = torch.tensor([tg.get_tokenizer().encode("Hello, I'm a language model,")], device=device)
-    print(f"| model | device | new tokens | cache | tokens/s | vs no cache |\n|---|---|---:|---|---:|---:|")
+    print("| model | device | new tokens | cache | tokens/s | vs no cache |\n|---|---|---:|---|---:|---:|")
     results = {}
     for use_cache in (False, True):
         list(tg.generate(model, prompt, 8, 50257, temperature=0, use_cache=use_cache, autocast_ctx=ctx))  # warm-up

@@ -23,7 +23,7 @@ def main():
     p.add_argument("--workers", nargs="+", type=int, default=[1, os.cpu_count()], help="worker counts to compare")
     args = p.parse_args()
     source = ["--demo"] if args.demo else ["--input", *args.input]
-    print(f"| workers | documents | tokens | seconds | tokens/s | vs first |\n|---:|---:|---:|---:|---:|---:|")
+    print("| workers | documents | tokens | seconds | tokens/s | vs first |\n|---:|---:|---:|---:|---:|---:|")
     first = None
     for workers in args.workers:
         with tempfile.TemporaryDirectory() as out:

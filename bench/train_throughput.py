@@ -112,8 +112,8 @@ def main():
         peak = {dt: matmul_peak(getattr(torch, dt), device) for dt in ("bfloat16", "float32")}
         print(f"device: {device}, {torch.get_num_threads()} threads | measured matmul peak: "
               f"bf16 {peak['bfloat16'] / 1e12:.3f} TFLOP/s, fp32 {peak['float32'] / 1e12:.3f} TFLOP/s")
-    print(f"| variant | tok/s | FLOPs/token | achieved TFLOP/s | MFU (vs bf16 peak) | vs first | peak mem GiB |")
-    print(f"|---|---:|---:|---:|---:|---:|---:|")
+    print("| variant | tok/s | FLOPs/token | achieved TFLOP/s | MFU (vs bf16 peak) | vs first | peak mem GiB |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     first = None
     for variant in args.variants:
         mode, dtype_name = variant.split(":")

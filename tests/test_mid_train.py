@@ -6,7 +6,7 @@ import sys
 import pytest
 
 import mid_train
-from conftest import REPO, TINY, run, torchrun, train_losses, val_losses
+from conftest import REPO, run, torchrun, train_losses, val_losses
 
 MID = ["--micro_batch_size", "4", "--seq_len", "64", "--lr", "3e-3", "--dtype", "float32", "--device", "cpu",
        "--sample_len", "0", "--val_fraction", "0.1", "--compile", "off"]
