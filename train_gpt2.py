@@ -830,6 +830,58 @@ def parameter_mib(model):
     """This rank's parameter memory: all of it under DDP, its shard under FSDP."""
     local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
     return sum(p.numel() * p.element_size() for p in local) / 2**20
+
+
+def setup_training(model, args, device, local_rank, world_size):
+    """Precision, sharding, optimizers, compile and DDP, in the order they must happen. Returns the module to
+    evaluate (compiled if asked), the one to train (DDP-wrapped where that applies), the optimizers, the grad
+    scaler (float16 only), the autocast context and the dtype. `model` stays the plain module: checkpoints,
+    sampling and HellaSwag use it, eager, at any shape."""
+    device_type = device.split(":")[0]
+    dtype = autocast_dtype(args.dtype, device_type)
+    autocast_ctx = autocast_context(device_type, dtype)
+    if args.fsdp:
+        if world_size == 1:
+            die("--fsdp shards over processes: launch with torchrun --nproc_per_node=N")
+        if args.optimizer == "muon" or dtype == torch.float16:
+            die("--fsdp trains with AdamW in bfloat16 or float32; drop --optimizer muon / --dtype float16")
+        shard_model(model, dtype)
+        autocast_ctx = nullcontext()  # FSDP's mixed-precision policy casts instead
+    scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
+    if device_type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and newer
+    optimizers = make_optimizers(model, args, device_type)  # after sharding: FSDP replaces the parameters
+    eval_model = torch.compile(model) if use_compile(args.compile, device_type) else model
+    train_model = eval_model
+    if world_size > 1 and not args.fsdp:
+        train_model = DDP(eval_model, device_ids=[local_rank] if device_type == "cuda" else None)
+    return eval_model, train_model, optimizers, scaler, autocast_ctx, dtype
+
+
+def save_training_checkpoint(raw_model, optimizers, scaler, args, step, master, world_size, **fields):
+    """Every rank calls it (gathering FSDP shards is a collective); rank 0 writes the model, optimizer and scaler
+    state, step, model config, flags and RNG states, plus the script's own fields (data position, val loss...)."""
+    model_state, optimizer_state = training_state(raw_model, optimizers)
+    if master:
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_initialized():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        checkpoint = {"model": model_state, "optimizer": optimizer_state, "scaler": scaler.state_dict(), "step": step,
+                      "config": asdict(raw_model.config), "args": vars(args), "rng": rng, **fields}
+        path = save_checkpoint(checkpoint, args.out_dir, step, args.keep_checkpoints)
+        print(f"saved {path}", flush=True)
+    if world_size > 1:
+        dist.barrier()
+
+
+def restore_training_state(checkpoint, raw_model, optimizers, scaler):
+    """Optimizer, scaler and RNG state from a checkpoint; returns (step, val_loss, wandb_run_id) to go on from."""
+    load_optimizer_state(raw_model, optimizers, checkpoint["optimizer"])
+    scaler.load_state_dict(checkpoint["scaler"])
+    torch.set_rng_state(checkpoint["rng"]["cpu"])
+    if "cuda" in checkpoint["rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state(checkpoint["rng"]["cuda"])
+    return checkpoint["step"], checkpoint["val_loss"], checkpoint["wandb_run_id"]
 # ---- end shared: loop ----
 
 
@@ -883,26 +935,9 @@ def main(argv=None):
         model = GPT(config)
     if T > model.config.block_size:
         die(f"--seq_len {T} is beyond the model's context of {model.config.block_size}; lower --seq_len")
-    model.to(device)
-    raw_model = model  # plain module: checkpoints, sampling and HellaSwag use it, eager, at any shape
-
-    dtype = autocast_dtype(args.dtype, device_type)
-    autocast_ctx = autocast_context(device_type, dtype)
-    if args.fsdp:
-        if world_size == 1:
-            die("--fsdp shards over processes: launch with torchrun --nproc_per_node=N")
-        if args.optimizer == "muon" or dtype == torch.float16:
-            die("--fsdp trains with AdamW in bfloat16 or float32; drop --optimizer muon / --dtype float16")
-        shard_model(model, dtype)
-        autocast_ctx = nullcontext()  # FSDP's mixed-precision policy casts instead
-    scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
-    if device_type == "cuda":
-        torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and newer
-    optimizers = make_optimizers(raw_model, args, device_type)
-    if use_compile(args.compile, device_type):
-        model = torch.compile(model)
-    train_model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None) \
-        if world_size > 1 and not args.fsdp else model
+    raw_model = model.to(device)
+    model, train_model, optimizers, scaler, autocast_ctx, dtype = setup_training(raw_model, args, device, local_rank,
+                                                                                 world_size)
 
     pin = device_type == "cuda"
     train_loader = ShardLoader(train_files, B, T, rank, world_size, pin_memory=pin)
@@ -913,13 +948,8 @@ def main(argv=None):
 
     start_step, val_loss, wandb_run_id = 0, None, None
     if checkpoint is not None:
-        load_optimizer_state(raw_model, optimizers, checkpoint["optimizer"])
-        scaler.load_state_dict(checkpoint["scaler"])
+        start_step, val_loss, wandb_run_id = restore_training_state(checkpoint, raw_model, optimizers, scaler)
         train_loader.load_state(checkpoint["loader"])
-        torch.set_rng_state(checkpoint["rng"]["cpu"])
-        if device_type == "cuda" and "cuda" in checkpoint["rng"]:
-            torch.cuda.set_rng_state(checkpoint["rng"]["cuda"])
-        start_step, val_loss, wandb_run_id = checkpoint["step"], checkpoint["val_loss"], checkpoint["wandb_run_id"]
         del checkpoint
     log, wandb_run, wandb_run_id = open_run_log(args, master, start_step, wandb_run_id)
     if master:
@@ -928,6 +958,7 @@ def main(argv=None):
         print(f"{raw_model.num_params():,} parameters, {parameter_mib(raw_model):.1f} MiB of them per rank "
               f"({'FSDP' if args.fsdp else 'DDP' if world_size > 1 else 'one process'}) | {device} "
               f"{str(dtype).replace('torch.', '')} | {args.total_batch_size:,} tokens/step = {grad_accum_steps} x {B} x {T} x {world_size}")
+
     @torch.no_grad()
     def evaluate_val_loss():
         model.eval()
@@ -945,20 +976,8 @@ def main(argv=None):
         return loss_sum.item() / val_steps
 
     def save(step):
-        model_state, optimizer_state = training_state(raw_model, optimizers)
-        if master:
-            checkpoint = {
-                "model": model_state, "optimizer": optimizer_state,
-                "scaler": scaler.state_dict(), "step": step, "config": asdict(raw_model.config), "args": vars(args),
-                "loader": train_loader.state(), "rng": {"cpu": torch.get_rng_state()}, "val_loss": val_loss,
-                "wandb_run_id": wandb_run_id, "kind": "base",
-            }
-            if device_type == "cuda":
-                checkpoint["rng"]["cuda"] = torch.cuda.get_rng_state()
-            path = save_checkpoint(checkpoint, args.out_dir, step, args.keep_checkpoints)
-            print(f"saved {path}", flush=True)
-        if world_size > 1:
-            dist.barrier()
+        save_training_checkpoint(raw_model, optimizers, scaler, args, step, master, world_size, kind="base",
+                                 loader=train_loader.state(), val_loss=val_loss, wandb_run_id=wandb_run_id)
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)

@@ -9,7 +9,6 @@ bf16 and fp32 matmul peak, since there is no datasheet peak to divide by.
 
 import argparse
 import os
-import resource
 import sys
 import time
 
@@ -46,12 +45,6 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def peak_memory_gib(device):
-    if device.startswith("cuda"):
-        return torch.cuda.max_memory_allocated() / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # process peak RSS, Linux KiB
-
-
 def bench_variant(args, mode, dtype_name, device):
     torch.manual_seed(0)
     overrides = {k: getattr(args, k) for k in ("n_embd", "n_layer", "n_head") if getattr(args, k)}
@@ -84,7 +77,7 @@ def bench_variant(args, mode, dtype_name, device):
     tokens = B * T * args.grad_accum
     flops_per_token = model.flops_per_token(T)
     return dict(tok_s=tokens / seconds, flops_per_token=flops_per_token, flops=flops_per_token * tokens / seconds,
-                mem=peak_memory_gib(device), T=T, params=model.num_params())
+                mem=tg.peak_memory_gib(device), T=T, params=model.num_params())
 
 
 def main():
