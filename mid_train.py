@@ -90,6 +90,8 @@ def get_args(argv=None):
     args = p.parse_args(argv)
     if not args.resume and (args.init_ckpt is None) == (args.init_from is None):
         die("start from a base checkpoint with --init_ckpt, or from OpenAI's weights with --init_from gpt2")
+    if args.resume:
+        args = resume_args(args, given_flags(p, argv), fixed=("init_ckpt", "init_from", "optimizer"))
     return args
 
 
@@ -541,19 +543,29 @@ def set_schedule(optimizers, multiplier, step, args):
 
 
 # ---- shared: logging ----
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 70e12}
+PEAK_BF16_FLOPS = {  # dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, by the exact name
+    # torch.cuda.get_device_name reports: a substring match would give an H100 PCIe the SXM peak, an L40 the L4's
+    "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
+    "NVIDIA H200": 989e12, "NVIDIA H200 NVL": 835e12, "NVIDIA GH200 480GB": 989e12,
+    "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A100-SXM4-40GB": 312e12, "NVIDIA A100-PCIE-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
+    "NVIDIA L40S": 362e12, "NVIDIA L40": 181e12, "NVIDIA L4": 121e12, "NVIDIA A10G": 70e12, "NVIDIA A10": 125e12,
+    "NVIDIA GeForce RTX 4090": 165e12, "NVIDIA GeForce RTX 3090": 71e12,
+}
+
+
+def device_name(device):
+    return torch.cuda.get_device_name(device) if device.startswith("cuda") else device
+
+
+def peak_flops_of(name):
+    """The dense bf16 peak FLOP/s of the GPU that torch.cuda.get_device_name calls `name`; None where unknown."""
+    return PEAK_BF16_FLOPS.get(name)
 
 
 def device_peak_flops(device, override=None):
-    """Dense bf16 peak FLOP/s of the GPU (datasheet), for MFU; None where unknown."""
-    if override:
-        return override
-    if device.startswith("cuda"):
-        name = torch.cuda.get_device_name(device)
-        for key, flops in PEAK_BF16_FLOPS.items():
-            if key in name:
-                return flops
-    return None
+    """The peak FLOP/s for MFU: --peak_flops, else the device's from the table; None where unknown."""
+    return override or peak_flops_of(device_name(device))
 
 
 def open_run_log(args, master, start_step, wandb_run_id):
@@ -590,7 +602,7 @@ def open_run_log(args, master, start_step, wandb_run_id):
 
 
 # ---- shared: loop ----
-stop_requested = False  # set by SIGTERM / Ctrl-C: the loop saves a checkpoint after the step, then exits
+stop_requested = False  # this rank has seen SIGTERM / Ctrl-C; only stop_agreed's answer, the same on every rank, stops
 
 
 def request_stop(signum, frame):
@@ -645,15 +657,20 @@ def train_step(train_model, raw_model, optimizers, scaler, next_batch, grad_accu
     return loss_accum, grad_norm, (marks, timestamp(device_type))
 
 
+def stop_agreed(device, world_size):
+    """Whether any rank has seen a stop signal, the same answer on every rank. A collective: every rank calls it at
+    the same point. The signal can land on one rank after this, so only this answer may drive a stop."""
+    stop_flag = torch.tensor(float(stop_requested), device=device)
+    if world_size > 1:
+        dist.all_reduce(stop_flag, op=dist.ReduceOp.MAX)
+    return bool(stop_flag.item())
+
+
 def agree_to_stop(loss_accum, world_size):
-    """Average the loss over ranks and share any rank's stop request, so that every rank stops at the same step."""
-    global stop_requested
-    stop_flag = torch.tensor(float(stop_requested), device=loss_accum.device)
+    """Average the loss over ranks and agree on stopping, so that every rank stops at the same step."""
     if world_size > 1:
         dist.all_reduce(loss_accum, op=dist.ReduceOp.AVG)
-        dist.all_reduce(stop_flag, op=dist.ReduceOp.MAX)
-    stop_requested = stop_requested or bool(stop_flag.item())
-    return stop_requested
+    return stop_agreed(loss_accum.device, world_size)
 
 
 def peak_memory_gib(device):
@@ -758,9 +775,49 @@ def save_training_checkpoint(raw_model, optimizers, scaler, args, step, master, 
         dist.barrier()
 
 
+def given_flags(parser, argv):
+    """The flags given on the command line, told from defaults by parsing again into a namespace that holds a
+    marker for every flag: argparse sets defaults only where the namespace has nothing."""
+    unset = object()
+    namespace = argparse.Namespace(**{action.dest: unset for action in parser._actions})
+    return {key for key, value in vars(parser.parse_args(argv, namespace)).items() if value is not unset}
+
+
+def resume_args(args, given, fixed):
+    """--resume goes on with the checkpoint's run: flags not given on the command line take that run's values, so
+    --resume alone continues it. The `fixed` flags (the model's shape, the optimizer kind) come with the weights and
+    optimizer state: a different value given is an error. Every other flag given takes effect, and one line lists
+    those that differ from the checkpoint's run."""
+    path = find_checkpoint(args.out_dir)
+    if path is None:
+        die(f"--resume found no checkpoint in {args.out_dir}; drop --resume to start afresh")
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # mmap: no tensor is read
+    saved = {**checkpoint.get("args", {}), **{k: v for k, v in checkpoint.get("config", {}).items() if k in fixed}}
+    changed = []
+    for key, value in vars(args).items():
+        if key in ("resume", "out_dir") or key not in saved or saved[key] == value:
+            continue
+        if key not in given:
+            setattr(args, key, saved[key])
+        elif key in fixed:
+            die(f"--{key} {value}: the checkpoint in {args.out_dir} was trained with {saved[key]}, and a resumed run "
+                f"keeps its model and optimizer; drop --{key}, or start afresh in another --out_dir")
+        else:
+            changed.append(f"{key} {saved[key]} -> {value}")
+    if changed and os.environ.get("RANK", "0") == "0":
+        print(f"resume: flags changed since the checkpoint: {', '.join(changed)}")
+    return args
+
+
 def restore_training_state(checkpoint, raw_model, optimizers, scaler):
-    """Optimizer, scaler and RNG state from a checkpoint; returns (step, val_loss, wandb_run_id) to go on from."""
+    """Optimizer, scaler and RNG state from a checkpoint; returns (step, val_loss, wandb_run_id) to go on from.
+    The optimizers' hyperparameters (lr, base_lr, weight decay...) stay the ones this run's flags set: loading
+    the state dict would bring back the old run's, and a new --lr on resume would be silently ignored."""
+    hyper = [[{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups] for opt in optimizers]
     load_optimizer_state(raw_model, optimizers, checkpoint["optimizer"])
+    for opt, groups in zip(optimizers, hyper):
+        for group, values in zip(opt.param_groups, groups):
+            group.update(values)
     scaler.load_state_dict(checkpoint["scaler"])
     torch.set_rng_state(checkpoint["rng"]["cpu"])
     if "cuda" in checkpoint["rng"] and torch.cuda.is_available():
@@ -987,8 +1044,6 @@ def main(argv=None):
     # ---- model: a checkpoint of ours to resume or start from, or OpenAI's
     checkpoint = None
     if args.resume:
-        if find_checkpoint(args.out_dir) is None:
-            die(f"--resume found no checkpoint in {args.out_dir}; drop --resume to start afresh")
         checkpoint, ckpt_path = load_checkpoint(args.out_dir)
         model = model_from_checkpoint(checkpoint)
     elif args.init_ckpt:
@@ -1050,7 +1105,10 @@ def main(argv=None):
         """Loss per learned token and bits per byte over the whole val split; rows split across ranks."""
         model.eval()
         sums = torch.zeros(4, device=device)  # loss in nats, learned tokens; loss over tokens with bytes, their bytes
-        for start in range(rank * B, len(val_tokens), B * world_size):
+        for i, start in enumerate(range(rank * B, len(val_tokens), B * world_size)):
+            if i % 16 == 15 and i < len(val_tokens) // (B * world_size) and stop_agreed(device, world_size):
+                model.train()  # a stop signal: every rank is here at the same batch (one all ranks have); go save
+                return None
             x = torch.from_numpy(val_tokens[start: start + B, :-1]).long().to(device)
             y = torch.from_numpy(val_tokens[start: start + B, 1:]).long().to(device)
             learned = torch.from_numpy(val_mask[start: start + B, 1:]).to(device)
@@ -1074,18 +1132,24 @@ def main(argv=None):
     signal.signal(signal.SIGINT, request_stop)
     flops_per_step = raw_model.flops_per_token(T) * total_batch_size
     peak_flops = device_peak_flops(device, args.peak_flops)
+    if master and not peak_flops:
+        print(f"no MFU: the bf16 peak FLOP/s of {device_name(device)} is not known; give it with --peak_flops")
     stop_reply = {enc.encode_single_token("<|assistant_end|>"), EOT_TOKEN}
     timings = []
+    stop = False  # agreed by all ranks
 
     for step in range(start_step, args.max_steps + 1):
         last_step = step == args.max_steps
-        if stop_requested:
+        if not stop and (step % args.eval_every == 0 or last_step):
+            evaluated = evaluate_val()
+            stop = evaluated is None  # cut short by a stop signal: not logged, not kept
+        if stop:
             save(step)
             if master:
                 print(f"stopped by signal at step {step}; continue with --resume", flush=True)
             break
         if step % args.eval_every == 0 or last_step:
-            val_loss, val_bpb = evaluate_val()
+            val_loss, val_bpb = evaluated
             log({"step": step, "val_loss": val_loss, "val_bpb": val_bpb},
                 f"step {step:5d} | val loss {val_loss:.4f} | val bpb {val_bpb:.4f}")
             if (master or args.fsdp) and args.sample_len:  # FSDP ranks forward in lockstep
@@ -1113,9 +1177,10 @@ def main(argv=None):
         loss_accum, grad_norm, marks = train_step(train_model, raw_model, optimizers, scaler, train_loader.next_batch,
                                                   grad_accum_steps, args.grad_clip, device, autocast_ctx)
         timings.append(marks)
-        agree_to_stop(loss_accum, world_size)
+        stop = agree_to_stop(loss_accum, world_size)
         if step % args.log_every == 0 or step == args.max_steps - 1:
-            log(*step_record(step, loss_accum.item(), args.lr * lr_mult, grad_norm.item(), timings,
+            lr = optimizers[0].param_groups[0]["lr"]  # the lr AdamW stepped with
+            log(*step_record(step, loss_accum.item(), lr, grad_norm.item(), timings,
                              time.perf_counter() - t_interval, total_batch_size, flops_per_step, peak_flops, device,
                              world_size))
             timings.clear()

@@ -17,6 +17,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import re
 import socket
 import sys
 import sysconfig
@@ -50,6 +51,9 @@ def get_args(argv=None):
         args.shard_size = 1_000_000 if args.shard_size == p.get_default("shard_size") else args.shard_size
     args.out_dir = args.out_dir or f"data/{args.dataset}-{args.sample}"
     args.prefix = args.prefix or os.path.basename(os.path.normpath(args.out_dir))
+    if {"train", "val"} & set(re.split(r"[_.]", args.prefix)):  # train_gpt2.py tells the split by that word
+        die(f"the shard name prefix '{args.prefix}' (from --prefix or the out_dir's name) holds the word train or val, "
+            f"which names a shard's split; set another --prefix")
     if args.shard_size < 1 or args.workers < 1:
         die("--shard_size and --workers must be positive")
     return args
@@ -244,8 +248,20 @@ def main(argv=None):
             previous = json.load(f)
         if (previous["source"], previous["shard_size"]) != (source, args.shard_size):
             die(f"{args.out_dir} holds shards of another source or shard size; use another --out_dir or empty it")
-        done = [s for s in previous["shards"] if os.path.exists(os.path.join(args.out_dir, s["file"]))]
-        manifest["shards"] = done  # shards are written in order, so these are the first ones
+        done = []  # the longest prefix of shards 0..k-1 all on disk and whole: the token stream goes on from there
+        for shard in previous["shards"]:
+            path = os.path.join(args.out_dir, shard["file"])
+            if not os.path.exists(path) or os.path.getsize(path) != 256 * 4 + 2 * shard["tokens"]:
+                break
+            done.append(shard)
+        later = previous["shards"][len(done):]
+        if later:  # a gap: the shards after it would hold the wrong index, so they are made again
+            for shard in later:
+                if os.path.exists(os.path.join(args.out_dir, shard["file"])):
+                    os.remove(os.path.join(args.out_dir, shard["file"]))
+            print(f"{later[0]['file']} is missing or incomplete: making shard {len(done)} and the "
+                  f"{len(later) - 1} listed after it again")
+        manifest["shards"] = done
         if previous["complete"] and len(done) == len(previous["shards"]):
             print(f"all {len(done)} shards in {args.out_dir} are done already ({previous['tokens']:,} tokens)")
             return

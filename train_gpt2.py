@@ -14,6 +14,7 @@ import glob
 import json
 import math
 import os
+import re
 import signal
 import sys
 import time
@@ -49,7 +50,7 @@ def get_args(argv=None):
     p.add_argument("--block_size", type=int, help="override the model's context length (default 1024)")
     p.add_argument("--init_from", choices=list(MODEL_SIZES), help="start from OpenAI's weights (needs transformers)")
     # data
-    p.add_argument("--data_dir", default="data/fineweb-edu-10BT", help="folder of *train* and *val* token shards")
+    p.add_argument("--data_dir", default="data/fineweb-edu-10BT", help="folder of [PREFIX_]train_N / val_N token shards")
     p.add_argument("--seq_len", type=int, default=1024, help="tokens per training sequence (at most the context length)")
     p.add_argument("--micro_batch_size", type=int, default=64, help="sequences per forward pass on each process")
     p.add_argument("--total_batch_size", type=int, default=524288, help="tokens per optimizer step, over all processes")
@@ -96,6 +97,9 @@ def get_args(argv=None):
     if args.demo:  # the preset changes the defaults; flags given explicitly still win
         p.set_defaults(**DEMO_PRESET)
         args = p.parse_args(argv)
+    if args.resume:
+        args = resume_args(args, given_flags(p, argv), fixed=("model", "n_layer", "n_head", "n_embd", "block_size",
+                                                               "init_from", "optimizer"))
     return args
 
 
@@ -591,19 +595,29 @@ def set_schedule(optimizers, multiplier, step, args):
 
 
 # ---- shared: logging ----
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 70e12}
+PEAK_BF16_FLOPS = {  # dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, by the exact name
+    # torch.cuda.get_device_name reports: a substring match would give an H100 PCIe the SXM peak, an L40 the L4's
+    "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
+    "NVIDIA H200": 989e12, "NVIDIA H200 NVL": 835e12, "NVIDIA GH200 480GB": 989e12,
+    "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A100-SXM4-40GB": 312e12, "NVIDIA A100-PCIE-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
+    "NVIDIA L40S": 362e12, "NVIDIA L40": 181e12, "NVIDIA L4": 121e12, "NVIDIA A10G": 70e12, "NVIDIA A10": 125e12,
+    "NVIDIA GeForce RTX 4090": 165e12, "NVIDIA GeForce RTX 3090": 71e12,
+}
+
+
+def device_name(device):
+    return torch.cuda.get_device_name(device) if device.startswith("cuda") else device
+
+
+def peak_flops_of(name):
+    """The dense bf16 peak FLOP/s of the GPU that torch.cuda.get_device_name calls `name`; None where unknown."""
+    return PEAK_BF16_FLOPS.get(name)
 
 
 def device_peak_flops(device, override=None):
-    """Dense bf16 peak FLOP/s of the GPU (datasheet), for MFU; None where unknown."""
-    if override:
-        return override
-    if device.startswith("cuda"):
-        name = torch.cuda.get_device_name(device)
-        for key, flops in PEAK_BF16_FLOPS.items():
-            if key in name:
-                return flops
-    return None
+    """The peak FLOP/s for MFU: --peak_flops, else the device's from the table; None where unknown."""
+    return override or peak_flops_of(device_name(device))
 
 
 def open_run_log(args, master, start_step, wandb_run_id):
@@ -669,9 +683,24 @@ def load_shard(path):
     return np.memmap(path, dtype=np.uint16, mode="r", offset=256 * 4, shape=(num_tokens,))
 
 
+SHARD_NAME = re.compile(r"(?:^|_)(train|val)(?:_\d+)?\.(?:bin|npy)$")  # [PREFIX_]train[_000001].bin, or val
+
+
 def find_shards(data_dir, split):
+    """The split's shards in name order. The split is the whole word right before the index (prepare_fineweb.py's
+    pretrain_val_000000.bin, llm.c's fineweb_train_000001.bin, build-nanogpt's edufineweb_val_000000.npy), never
+    "train" anywhere in the name: a val shard must not train. A .bin/.npy that breaks the rule is an error."""
     files = sorted(glob.glob(os.path.join(data_dir, "*.bin")) + glob.glob(os.path.join(data_dir, "*.npy")))
-    return [f for f in files if split in os.path.basename(f)]
+    found = []
+    for f in files:
+        name = os.path.basename(f)
+        match = SHARD_NAME.search(name)
+        if match is None or {"train", "val"} <= set(re.split(r"[_.]", name)):
+            die(f"cannot tell whether {f} is a train or a val shard: name shards [PREFIX_]train_N.bin and "
+                f"[PREFIX_]val_N.bin (or .npy), with train or val only as the word before the index")
+        if match.group(1) == split:
+            found.append(f)
+    return found
 
 
 class ShardLoader:
@@ -706,7 +735,7 @@ class ShardLoader:
 
 
 # ---- shared: loop ----
-stop_requested = False  # set by SIGTERM / Ctrl-C: the loop saves a checkpoint after the step, then exits
+stop_requested = False  # this rank has seen SIGTERM / Ctrl-C; only stop_agreed's answer, the same on every rank, stops
 
 
 def request_stop(signum, frame):
@@ -761,15 +790,20 @@ def train_step(train_model, raw_model, optimizers, scaler, next_batch, grad_accu
     return loss_accum, grad_norm, (marks, timestamp(device_type))
 
 
+def stop_agreed(device, world_size):
+    """Whether any rank has seen a stop signal, the same answer on every rank. A collective: every rank calls it at
+    the same point. The signal can land on one rank after this, so only this answer may drive a stop."""
+    stop_flag = torch.tensor(float(stop_requested), device=device)
+    if world_size > 1:
+        dist.all_reduce(stop_flag, op=dist.ReduceOp.MAX)
+    return bool(stop_flag.item())
+
+
 def agree_to_stop(loss_accum, world_size):
-    """Average the loss over ranks and share any rank's stop request, so that every rank stops at the same step."""
-    global stop_requested
-    stop_flag = torch.tensor(float(stop_requested), device=loss_accum.device)
+    """Average the loss over ranks and agree on stopping, so that every rank stops at the same step."""
     if world_size > 1:
         dist.all_reduce(loss_accum, op=dist.ReduceOp.AVG)
-        dist.all_reduce(stop_flag, op=dist.ReduceOp.MAX)
-    stop_requested = stop_requested or bool(stop_flag.item())
-    return stop_requested
+    return stop_agreed(loss_accum.device, world_size)
 
 
 def peak_memory_gib(device):
@@ -874,9 +908,49 @@ def save_training_checkpoint(raw_model, optimizers, scaler, args, step, master, 
         dist.barrier()
 
 
+def given_flags(parser, argv):
+    """The flags given on the command line, told from defaults by parsing again into a namespace that holds a
+    marker for every flag: argparse sets defaults only where the namespace has nothing."""
+    unset = object()
+    namespace = argparse.Namespace(**{action.dest: unset for action in parser._actions})
+    return {key for key, value in vars(parser.parse_args(argv, namespace)).items() if value is not unset}
+
+
+def resume_args(args, given, fixed):
+    """--resume goes on with the checkpoint's run: flags not given on the command line take that run's values, so
+    --resume alone continues it. The `fixed` flags (the model's shape, the optimizer kind) come with the weights and
+    optimizer state: a different value given is an error. Every other flag given takes effect, and one line lists
+    those that differ from the checkpoint's run."""
+    path = find_checkpoint(args.out_dir)
+    if path is None:
+        die(f"--resume found no checkpoint in {args.out_dir}; drop --resume to start afresh")
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # mmap: no tensor is read
+    saved = {**checkpoint.get("args", {}), **{k: v for k, v in checkpoint.get("config", {}).items() if k in fixed}}
+    changed = []
+    for key, value in vars(args).items():
+        if key in ("resume", "out_dir") or key not in saved or saved[key] == value:
+            continue
+        if key not in given:
+            setattr(args, key, saved[key])
+        elif key in fixed:
+            die(f"--{key} {value}: the checkpoint in {args.out_dir} was trained with {saved[key]}, and a resumed run "
+                f"keeps its model and optimizer; drop --{key}, or start afresh in another --out_dir")
+        else:
+            changed.append(f"{key} {saved[key]} -> {value}")
+    if changed and os.environ.get("RANK", "0") == "0":
+        print(f"resume: flags changed since the checkpoint: {', '.join(changed)}")
+    return args
+
+
 def restore_training_state(checkpoint, raw_model, optimizers, scaler):
-    """Optimizer, scaler and RNG state from a checkpoint; returns (step, val_loss, wandb_run_id) to go on from."""
+    """Optimizer, scaler and RNG state from a checkpoint; returns (step, val_loss, wandb_run_id) to go on from.
+    The optimizers' hyperparameters (lr, base_lr, weight decay...) stay the ones this run's flags set: loading
+    the state dict would bring back the old run's, and a new --lr on resume would be silently ignored."""
+    hyper = [[{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups] for opt in optimizers]
     load_optimizer_state(raw_model, optimizers, checkpoint["optimizer"])
+    for opt, groups in zip(optimizers, hyper):
+        for group, values in zip(opt.param_groups, groups):
+            group.update(values)
     scaler.load_state_dict(checkpoint["scaler"])
     torch.set_rng_state(checkpoint["rng"]["cpu"])
     if "cuda" in checkpoint["rng"] and torch.cuda.is_available():
@@ -909,7 +983,8 @@ def main(argv=None):
             f"(python prepare_fineweb.py --demo for a small offline set)")
     train_files, val_files = find_shards(args.data_dir, "train"), find_shards(args.data_dir, "val")
     if not train_files or not val_files:
-        die(f"{args.data_dir} needs *train* and *val* shards (.bin or .npy); make them with prepare_fineweb.py")
+        die(f"{args.data_dir} needs train and val shards ([PREFIX_]train_N.bin, [PREFIX_]val_N.bin, or .npy); "
+            f"make them with prepare_fineweb.py")
     B, T = args.micro_batch_size, args.seq_len
     if args.total_batch_size % (B * T * world_size) != 0:
         die(f"--total_batch_size {args.total_batch_size} is not divisible by micro_batch_size * seq_len * world_size "
@@ -919,8 +994,6 @@ def main(argv=None):
     # ---- model, or the checkpoint to resume
     checkpoint = None
     if args.resume:
-        if find_checkpoint(args.out_dir) is None:
-            die(f"--resume found no checkpoint in {args.out_dir}; drop --resume to start afresh")
         checkpoint, ckpt_path = load_checkpoint(args.out_dir)
     torch.manual_seed(args.seed)
     if checkpoint is not None:
@@ -943,6 +1016,12 @@ def main(argv=None):
     train_loader = ShardLoader(train_files, B, T, rank, world_size, pin_memory=pin)
     val_loader = ShardLoader(val_files, B, T, rank, world_size, pin_memory=pin)
     val_steps = max(1, args.val_tokens // (B * T * world_size))
+    one_pass = sum((len(tokens) - 1) // (B * T * world_size) for tokens in val_loader.shards)  # steps to read all once
+    if val_steps > one_pass:
+        val_steps = one_pass
+        if master:
+            print(f"--val_tokens {args.val_tokens:,} is more than the val shards hold: each eval reads them once, "
+                  f"{val_steps * B * T * world_size:,} tokens")
     hellaswag_examples = load_hellaswag(args.hellaswag_file, args.hellaswag_limit) if args.hellaswag_file else None
     enc = get_tokenizer()
 
@@ -961,10 +1040,15 @@ def main(argv=None):
 
     @torch.no_grad()
     def evaluate_val_loss():
+        """The mean val loss, or None when a stop signal cut the eval short (checked every 16 batches on all ranks,
+        so a preempted job saves within seconds)."""
         model.eval()
         val_loader.load_state({"shard": 0, "pos": 0})  # the same val tokens every time
         loss_sum = torch.zeros((), device=device)
-        for _ in range(val_steps):
+        for i in range(val_steps):
+            if i % 16 == 15 and stop_agreed(device, world_size):
+                model.train()
+                return None
             x, y = val_loader.next_batch()
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with autocast_ctx:
@@ -983,18 +1067,25 @@ def main(argv=None):
     signal.signal(signal.SIGINT, request_stop)
     flops_per_step = raw_model.flops_per_token(T) * args.total_batch_size
     peak_flops = device_peak_flops(device, args.peak_flops)
+    if master and not peak_flops:
+        print(f"no MFU: the bf16 peak FLOP/s of {device_name(device)} is not known; give it with --peak_flops")
     timings = []  # per step since the last log line: (data, forward+backward, optimizer) timestamps
+    stop = False  # agreed by all ranks
 
     for step in range(start_step, args.max_steps + 1):
         last_step = step == args.max_steps
-        if stop_requested:
+        if not stop and (step % args.eval_every == 0 or last_step):
+            step_val_loss = evaluate_val_loss()
+            stop = step_val_loss is None  # cut short by a stop signal: not logged, not kept
+            if not stop:
+                val_loss = step_val_loss
+                log({"step": step, "val_loss": val_loss, "val_tokens": val_steps * B * T * world_size},
+                    f"step {step:5d} | val loss {val_loss:.4f} ({val_steps * B * T * world_size:,} tokens)")
+        if stop:
             save(step)
             if master:
                 print(f"stopped by signal at step {step}; continue with --resume", flush=True)
             break
-        if step % args.eval_every == 0 or last_step:
-            val_loss = evaluate_val_loss()
-            log({"step": step, "val_loss": val_loss}, f"step {step:5d} | val loss {val_loss:.4f}")
         if hellaswag_examples and (step % args.hellaswag_every == 0 or last_step):
             raw_model.eval()
             split = (0, 1) if args.fsdp else (rank, world_size)  # FSDP ranks forward in lockstep: all score all
@@ -1025,9 +1116,10 @@ def main(argv=None):
         loss_accum, grad_norm, marks = train_step(train_model, raw_model, optimizers, scaler, train_loader.next_batch,
                                                   grad_accum_steps, args.grad_clip, device, autocast_ctx)
         timings.append(marks)
-        agree_to_stop(loss_accum, world_size)
+        stop = agree_to_stop(loss_accum, world_size)
         if step % args.log_every == 0 or step == args.max_steps - 1:
-            log(*step_record(step, loss_accum.item(), args.lr * lr_mult, grad_norm.item(), timings,
+            lr = optimizers[0].param_groups[0]["lr"]  # the lr AdamW stepped with
+            log(*step_record(step, loss_accum.item(), lr, grad_norm.item(), timings,
                              time.perf_counter() - t_interval, args.total_batch_size, flops_per_step, peak_flops,
                              device, world_size))
             timings.clear()
