@@ -930,13 +930,13 @@ def resume_args(args, given, fixed):
     for key, value in vars(args).items():
         if key in ("resume", "out_dir") or key not in saved or saved[key] == value:
             continue
-        if key not in given:
-            setattr(args, key, saved[key])
-        elif key in fixed:
+        if key in fixed and key in given:
             die(f"--{key} {value}: the checkpoint in {args.out_dir} was trained with {saved[key]}, and a resumed run "
                 f"keeps its model and optimizer; drop --{key}, or start afresh in another --out_dir")
-        else:
+        elif key in given or key == "fsdp":  # no flag turns --fsdp off: each launch says how it shards (either loads)
             changed.append(f"{key} {saved[key]} -> {value}")
+        else:
+            setattr(args, key, saved[key])
     if changed and os.environ.get("RANK", "0") == "0":
         print(f"resume: flags changed since the checkpoint: {', '.join(changed)}")
     return args

@@ -90,6 +90,22 @@ def test_second_run_skips_and_killed_run_restarts_to_the_same_shards(tmp_path):
     assert all(np.array_equal(x, y) for x, y in zip(a, b))
 
 
+def test_missing_middle_shard_is_made_again_with_the_ones_after_it(tmp_path):
+    """Resume goes on from the longest complete prefix of shards: a gap is refilled, not skipped over."""
+    import shutil
+    args = ["--input", *stdlib_files(30), "--shard_size", 20000, "--workers", 1, "--prefix", "x"]
+    run("prepare_fineweb.py", *args, "--out_dir", tmp_path / "straight", check=True)
+    shutil.copytree(tmp_path / "straight", tmp_path / "gap")
+    os.remove(tmp_path / "gap" / "x_train_000002.bin")
+    proc = run("prepare_fineweb.py", *args, "--out_dir", tmp_path / "gap", check=True)
+    assert "x_train_000002.bin is missing or incomplete: making shard 2 and the" in proc.stdout
+    a_files, a = read_shards(tmp_path / "straight")
+    b_files, b = read_shards(tmp_path / "gap")
+    assert len(a) > 4 and [os.path.basename(f) for f in a_files] == [os.path.basename(f) for f in b_files]
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert json.load(open(tmp_path / "gap" / "manifest.json")) == json.load(open(tmp_path / "straight" / "manifest.json"))
+
+
 def test_datasets_streaming_path_on_a_local_dataset(tmp_path):
     pytest.importorskip("datasets")
     docs = documents()
@@ -109,11 +125,15 @@ def test_offline_hub_fails_at_once_pointing_to_input(tmp_path):
     assert proc.returncode == 2 and "--input" in proc.stderr and time.time() - start < 30
 
 
-@pytest.mark.parametrize("case", ["no_match", "missing_field", "unreadable", "bad_json"])
+@pytest.mark.parametrize("case", ["no_match", "missing_field", "unreadable", "bad_json", "split_word_prefix"])
 def test_bad_input_gives_one_line_error(case, tmp_path):
     expect = {"no_match": "matches no file", "missing_field": "no field 'text'", "unreadable": "cannot read",
-              "bad_json": "a.jsonl:2 is not valid JSON"}[case]
-    if case == "no_match":
+              "bad_json": "a.jsonl:2 is not valid JSON", "split_word_prefix": "holds the word train or val"}[case]
+    out = tmp_path / "out"
+    if case == "split_word_prefix":  # data/val would name its shards val_train_000001.bin: not telling the split
+        (tmp_path / "a.txt").write_text("hello")
+        inputs, out = [str(tmp_path / "a.txt")], tmp_path / "val"
+    elif case == "no_match":
         inputs = [str(tmp_path / "nothing*.jsonl")]
     elif case == "missing_field":
         (tmp_path / "a.jsonl").write_text(json.dumps({"content": "hello"}) + "\n")
@@ -124,7 +144,7 @@ def test_bad_input_gives_one_line_error(case, tmp_path):
     else:
         (tmp_path / "a.jsonl").write_text('{"text": "fine"}\n{"text": broken\n')
         inputs = [str(tmp_path / "a.jsonl")]
-    proc = run("prepare_fineweb.py", "--input", *inputs, "--out_dir", tmp_path / "out", "--workers", 1)
+    proc = run("prepare_fineweb.py", "--input", *inputs, "--out_dir", out, "--workers", 1)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and expect in lines[0], proc.stderr

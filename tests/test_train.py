@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, TINY, read_log, run, torchrun, train_losses, val_losses
+from conftest import REPO, TINY, read_log, run, stdlib_files, torchrun, train_losses, val_losses
 from train_gpt2 import GPT, MODEL_SIZES, GPTConfig, get_tokenizer
 
 
@@ -209,7 +209,8 @@ def write_shard(path, tokens, magic=20240520, truncate=0):
         f.write(header.tobytes() + np.asarray(tokens, dtype=np.uint16).tobytes()[: len(tokens) * 2 - truncate])
 
 
-@pytest.mark.parametrize("case", ["missing_dir", "no_shards", "bad_magic", "truncated", "seq_len", "batch", "model"])
+@pytest.mark.parametrize("case", ["missing_dir", "no_shards", "bad_magic", "truncated", "seq_len", "batch", "model",
+                                  "ambiguous_name"])
 def test_bad_input_gives_one_line_error(case, shards, tmp_path):
     data = tmp_path / "data"
     data.mkdir()
@@ -217,9 +218,9 @@ def test_bad_input_gives_one_line_error(case, shards, tmp_path):
     write_shard(data / "x_val_000000.bin", tokens)
     write_shard(data / "x_train_000001.bin", tokens)
     flags = [*TINY, "--data_dir", data, "--out_dir", tmp_path / "out", "--max_steps", 1]
-    expect = {"missing_dir": "does not exist", "no_shards": "needs *train* and *val* shards", "bad_magic": "magic",
+    expect = {"missing_dir": "does not exist", "no_shards": "needs train and val shards", "bad_magic": "magic",
               "truncated": "truncated", "seq_len": "beyond the model's context", "batch": "not divisible",
-              "model": "invalid choice"}[case]
+              "model": "invalid choice", "ambiguous_name": "cannot tell whether"}[case]
     if case == "missing_dir":
         flags += ["--data_dir", tmp_path / "nowhere"]
     elif case == "no_shards":
@@ -235,6 +236,8 @@ def test_bad_input_gives_one_line_error(case, shards, tmp_path):
         flags += ["--total_batch_size", 1000]
     elif case == "model":
         flags += ["--model", "gpt3"]
+    elif case == "ambiguous_name":  # train and val both whole words: which split is it?
+        write_shard(data / "val_train_000002.bin", tokens)
     proc = run("train_gpt2.py", *flags)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
@@ -261,3 +264,107 @@ def test_float16_trains_with_a_grad_scaler(shards, tmp_path):
     val = val_losses(out)
     assert np.isfinite(list(val.values())).all() and val[6] < val[0]
     assert torch.load(out / "ckpt_0000006.pt", weights_only=True)["scaler"]["scale"] > 0
+
+
+def test_val_shard_of_a_folder_named_pretrain_never_trains_and_val_reads_it_once(tmp_path):
+    """prepare_fineweb.py names shards after the out_dir: in a folder named `pretrain` the val shard is
+    pretrain_val_000000.bin, which holds "train". It must still be val: the run equals one in a folder named
+    `corpus`. And --val_tokens past the val shard reads it once, no more, and says so."""
+    from train_gpt2 import find_shards
+    pretrain, corpus = tmp_path / "pretrain", tmp_path / "corpus"
+    run("prepare_fineweb.py", "--input", *stdlib_files(8), "--out_dir", pretrain, "--shard_size", 3000, "--workers", 1,
+        check=True)
+    corpus.mkdir()
+    for f in glob.glob(str(pretrain / "*.bin")):
+        os.link(f, corpus / os.path.basename(f).replace("pretrain_", "corpus_"))
+    assert [os.path.basename(f) for f in find_shards(pretrain, "val")] == ["pretrain_val_000000.bin"]
+    assert not any("_val_" in os.path.basename(f) for f in find_shards(pretrain, "train"))
+    one_pass = (3000 - 1) // 128 * 128  # whole 4 x 32 batches in the 3,000-token val shard: 2,944 tokens
+    flags = [*TINY, "--max_steps", 2, "--eval_every", 2]
+    proc = run("train_gpt2.py", *flags, "--data_dir", pretrain, "--out_dir", tmp_path / "a", "--val_tokens", 100 * 128,
+               check=True)
+    assert "is more than the val shards hold: each eval reads them once, 2,944 tokens" in proc.stdout
+    assert "no MFU: the bf16 peak FLOP/s of cpu is not known; give it with --peak_flops" in proc.stdout
+    run("train_gpt2.py", *flags, "--data_dir", corpus, "--out_dir", tmp_path / "b", "--val_tokens", one_pass, check=True)
+    assert train_losses(tmp_path / "a") == train_losses(tmp_path / "b")
+    assert val_losses(tmp_path / "a") == val_losses(tmp_path / "b")  # 100 batches would wrap: a different mean
+    assert [r["val_tokens"] for r in read_log(tmp_path / "a") if "val_loss" in r] == [one_pass, one_pass]
+
+
+def test_resume_takes_the_checkpoints_flags_and_new_ones_that_are_given(shards, tmp_path):
+    flags = [*TINY, "--data_dir", shards, "--max_steps", 4, "--eval_every", 100, "--save_every", 2]
+    run("train_gpt2.py", *flags, "--out_dir", tmp_path / "straight", check=True)
+    straight = train_losses(tmp_path / "straight")
+
+    def resume(name, *given):
+        (tmp_path / name).mkdir()
+        os.link(tmp_path / "straight" / "ckpt_0000002.pt", tmp_path / name / "ckpt_0000002.pt")
+        return run("train_gpt2.py", "--out_dir", tmp_path / name, "--resume", *given)
+
+    alone = resume("alone")  # no other flag: the same run goes on (its data, model, max_steps 4, lr...)
+    assert alone.returncode == 0, alone.stderr
+    assert "flags changed" not in alone.stdout and train_losses(tmp_path / "alone") == {2: straight[2], 3: straight[3]}
+    new_lr = resume("new_lr", "--lr", "1e-3", "--max_steps", 5)
+    assert new_lr.returncode == 0, new_lr.stderr
+    assert "resume: flags changed since the checkpoint: max_steps 4 -> 5, lr 0.003 -> 0.001" in new_lr.stdout
+    log = {r["step"]: r for r in read_log(tmp_path / "new_lr") if "loss" in r}
+    assert sorted(log) == [2, 3, 4] and log[3]["loss"] != straight[3]  # trained with the new lr
+    from train_gpt2 import get_args, lr_multiplier
+    args = get_args(["--lr", "1e-3", "--max_steps", "5", "--warmup_steps", "2"])
+    assert all(abs(log[s]["lr"] - 1e-3 * lr_multiplier(s, args)) < 1e-12 for s in log)
+    for given, expect in ((["--n_embd", 64], "--n_embd 64: the checkpoint"), (["--optimizer", "muon"], "--optimizer muon")):
+        proc = resume(f"bad{given[0]}", *given)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:") and expect in lines[0], proc.stderr
+
+
+def rank_pid(parent_pid, rank):
+    """The pid of a torchrun worker of the given rank: a child of torchrun whose environment says RANK=rank."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            ppid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if ppid == parent_pid and f"RANK={rank}".encode() in environ:
+            return int(pid)
+    return None
+
+
+def test_sigterm_to_one_rank_during_val_eval_stops_both_at_once(shards, tmp_path):
+    """SIGTERM reaches one rank only, during a long val eval (one pass over the 100k-token val shard): the ranks
+    agree between eval batches and both stop at that step, with one checkpoint and no val loss for the cut eval."""
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    flags = [*TINY, "--data_dir", shards, "--out_dir", out, "--val_tokens", 99840, "--max_steps", 1000,
+             "--eval_every", 1000]
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             os.path.join(REPO, "train_gpt2.py"), *map(str, flags)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output = []
+        for line in proc.stdout:  # the start-up line comes right before the step-0 val eval
+            output.append(line)
+            if "parameters" in line:
+                break
+        time.sleep(2)
+        os.kill(rank_pid(proc.pid, 1), signal.SIGTERM)
+        output = "".join(output) + proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, output
+    assert "stopped by signal at step 0" in output
+    assert [os.path.basename(f) for f in glob.glob(str(out / "ckpt_*.pt"))] == ["ckpt_0000000.pt"]
+    assert not [r for r in read_log(out) if "val_loss" in r or "loss" in r]
+
+
+def test_mfu_peak_is_looked_up_by_the_exact_device_name():
+    from train_gpt2 import device_peak_flops, peak_flops_of
+    assert peak_flops_of("NVIDIA H100 80GB HBM3") == 989e12 and peak_flops_of("NVIDIA H200") == 989e12
+    assert peak_flops_of("NVIDIA H100 PCIe") == 756e12 and peak_flops_of("NVIDIA H100 NVL") == 835e12
+    assert peak_flops_of("NVIDIA L40S") == 362e12 and peak_flops_of("NVIDIA L40") == 181e12
+    assert peak_flops_of("NVIDIA L4") == 121e12 and peak_flops_of("NVIDIA A10G") == 70e12
+    assert peak_flops_of("NVIDIA A100-SXM4-80GB") == peak_flops_of("NVIDIA A100 80GB PCIe") == 312e12
+    assert peak_flops_of("NVIDIA H100") is None and peak_flops_of("NVIDIA GeForce RTX 4080") is None
+    assert device_peak_flops("cpu") is None and device_peak_flops("cpu", 1e15) == 1e15
