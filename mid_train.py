@@ -791,7 +791,10 @@ def resume_args(args, given, fixed):
     path = find_checkpoint(args.out_dir)
     if path is None:
         die(f"--resume found no checkpoint in {args.out_dir}; drop --resume to start afresh")
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # mmap: no tensor is read
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # mmap: no tensor is read
+    except Exception as e:
+        die(f"{path} is not a readable checkpoint ({type(e).__name__}); remove it to resume from an older one")
     saved = {**checkpoint.get("args", {}), **{k: v for k, v in checkpoint.get("config", {}).items() if k in fixed}}
     changed = []
     for key, value in vars(args).items():

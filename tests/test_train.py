@@ -316,6 +316,8 @@ def test_resume_takes_the_checkpoints_flags_and_new_ones_that_are_given(shards, 
         proc = resume(f"bad{given[0]}", *given)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:") and expect in lines[0], proc.stderr
+    proc = run("mid_train.py", "--out_dir", tmp_path / "alone", "--resume", "--optimizer", "muon")  # the same rule
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --optimizer muon: the checkpoint"), proc.stderr
 
 
 def rank_pid(parent_pid, rank):
