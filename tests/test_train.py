@@ -333,6 +333,12 @@ def rank_pid(parent_pid, rank):
     return None
 
 
+def catches_sigterm(pid):
+    with open(f"/proc/{pid}/status") as f:
+        caught = int(next(line for line in f if line.startswith("SigCgt:")).split()[1], 16)
+    return bool(caught >> (signal.SIGTERM - 1) & 1)
+
+
 def test_sigterm_to_one_rank_during_val_eval_stops_both_at_once(shards, tmp_path):
     """SIGTERM reaches one rank only, during a long val eval (one pass over the 100k-token val shard): the ranks
     agree between eval batches and both stop at that step, with one checkpoint and no val loss for the cut eval."""
@@ -349,8 +355,10 @@ def test_sigterm_to_one_rank_during_val_eval_stops_both_at_once(shards, tmp_path
             output.append(line)
             if "parameters" in line:
                 break
-        time.sleep(2)
-        os.kill(rank_pid(proc.pid, 1), signal.SIGTERM)
+        pid = rank_pid(proc.pid, 1)
+        assert wait_for(lambda: catches_sigterm(pid))  # rank 1 has its handler: it is at the eval too
+        time.sleep(0.5)
+        os.kill(pid, signal.SIGTERM)
         output = "".join(output) + proc.communicate(timeout=120)[0]
     finally:
         if proc.poll() is None:
