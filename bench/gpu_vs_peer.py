@@ -140,7 +140,7 @@ def main():
     flops_per_token = model.flops_per_token(T)
     rows = []
     for B in args.micro_batches:
-        rows.append((f"train_gpt2.py, compile, B={B}", B, *run_ours(work_dir, data_dir, B, T, total, steps, args.dry_run)))
+        rows.append((f"train_gpt2.py{'' if args.dry_run else ', compile'}, B={B}", B, *run_ours(work_dir, data_dir, B, T, total, steps, args.dry_run)))
     for compile_peer in ([False, True] if args.peer_compile else [False]):
         for B in args.micro_batches:
             script, cache = peer_copy(args.peer, work_dir, B, T, total, steps, compile_peer, args.dry_run)
@@ -149,7 +149,7 @@ def main():
 
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"\n{name} | GPT-2 {'tiny (dry run)' if args.dry_run else '124M'}, T={T}, {total:,} tokens/step, "
-          f"bf16, median of steps 5..{steps - 2}")
+          f"bf16, median step after the warm-up (first 5 steps and the last one left out)")
     print("| run | tok/s | MFU | peak mem GiB | ours / peer at this B |\n|---|---:|---:|---:|---:|")
     peer_at = {B: tok_s for label, B, tok_s, _ in rows if label.startswith("build-nanogpt (as shipped)")}
     for label, B, tok_s, memory in rows:

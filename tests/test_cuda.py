@@ -2,7 +2,7 @@
 
     python -m pytest -q -s tests/test_cuda.py
 
-bf16 autocast + torch.compile against fp32 eager, fused AdamW, the KV cache in bf16, sampling and HellaSwag in the
+bf16 autocast + torch.compile against fp32 eager (within TOLERANCE), fused AdamW, the KV cache in bf16, sampling and HellaSwag in the
 loop under compile, a GPU checkpoint used on a CPU-only machine, and the peak memory, logged."""
 
 import os
@@ -81,9 +81,11 @@ def test_fused_adamw_on_cuda():
 
 
 def test_kv_cache_greedy_equals_no_cache_in_bf16(gpu_runs):
+    """The first N greedy tokens agree; should they part earlier, it must be at a near-tie of the two likeliest
+    logits (within 0.1), which bf16 rounding may decide either way."""
     from train_gpt2 import autocast_context, generate, get_tokenizer, load_checkpoint, model_from_checkpoint
     root, _, _ = gpu_runs
-    N = 24  # greedy tokens that must agree; past a near-tie of two logits, bf16 rounding may pick either
+    N = 24
     model = model_from_checkpoint(load_checkpoint(str(root / "bf16"))[0]).to("cuda").eval()
     enc = get_tokenizer()
     ctx = autocast_context("cuda", torch.bfloat16)
@@ -91,7 +93,13 @@ def test_kv_cache_greedy_equals_no_cache_in_bf16(gpu_runs):
         idx = torch.tensor([enc.encode(prompt)], device="cuda")
         with_cache, without = (torch.cat(list(generate(model, idx, N, enc.n_vocab, temperature=0, use_cache=c,
                                                        autocast_ctx=ctx)), dim=1)[0].tolist() for c in (True, False))
-        assert with_cache == without, (prompt, enc.decode(with_cache), enc.decode(without))
+        parted = next((i for i, (a, b) in enumerate(zip(with_cache, without)) if a != b), N)
+        if parted < N:
+            with torch.no_grad(), ctx:
+                logits, _ = model(torch.cat([idx, torch.tensor([without[:parted]], device="cuda")], dim=1))
+            top2 = logits[0, -1, :enc.n_vocab].float().topk(2).values
+            print(f"\n{prompt!r}: cache and no cache part at token {parted}, top-2 logit gap {top2[0] - top2[1]:.4f}")
+            assert top2[0] - top2[1] < 0.1, (prompt, parted, enc.decode(with_cache), enc.decode(without))
 
 
 def test_gpu_checkpoint_is_used_on_a_cpu_only_machine(gpu_runs, shards, tmp_path):
