@@ -734,9 +734,10 @@ class ShardLoader:
         shard = min(state["shard"], len(self.shards) - 1)
         tokens_read = state["window"] * state["window_tokens"]  # checkpoints are taken between steps: micro is 0
         window = min(-(-tokens_read // self.window_tokens), self.num_windows[self.shard_order(state["epoch"])[shard]])
-        print(f"data: the checkpoint read (order, seed, tokens per window, windows) = {theirs}, this run {ours}: going "
-              f"on at epoch {state['epoch']}, shard {shard}, window {window} of the new order (this epoch may repeat "
-              f"or skip some tokens)")
+        if self.rank == 0:
+            print(f"data: the checkpoint read (order, seed, tokens per window, windows) = {theirs}, this run {ours}: "
+                  f"going on at epoch {state['epoch']}, shard {shard}, window {window} of the new order (this epoch "
+                  f"may repeat or skip some tokens)")
         self.seek(state["epoch"], shard, window, 0)
 
     def next_batch(self):
