@@ -734,10 +734,11 @@ def parameter_mib(model):
 
 
 def setup_training(model, args, device, local_rank, world_size):
-    """Precision, sharding, optimizers, compile and DDP, in the order they must happen. Returns the module to
-    evaluate (compiled if asked), the one to train (DDP-wrapped where that applies), the optimizers, the grad
-    scaler (float16 only), the autocast context and the dtype. `model` stays the plain module: checkpoints,
-    sampling and HellaSwag use it, eager, at any shape."""
+    """Precision, sharding, optimizers, DDP and compile, in the order they must happen. Returns the module to
+    evaluate (compiled if asked), the one to train (DDP-wrapped where that applies; under DDP the two are one:
+    its forward under no_grad sets up no gradient sync), the optimizers, the grad scaler (float16 only), the
+    autocast context and the dtype. `model` stays the plain module: checkpoints, sampling and HellaSwag use it,
+    eager, at any shape."""
     device_type = device.split(":")[0]
     dtype = autocast_dtype(args.dtype, device_type)
     autocast_ctx = autocast_context(device_type, dtype)
@@ -752,11 +753,14 @@ def setup_training(model, args, device, local_rank, world_size):
     if device_type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and newer
     optimizers = make_optimizers(model, args, device_type)  # after sharding: FSDP replaces the parameters
-    eval_model = torch.compile(model) if use_compile(args.compile, device_type) else model
-    train_model = eval_model
+    compile_model = use_compile(args.compile, device_type)
     if world_size > 1 and not args.fsdp:
-        train_model = DDP(eval_model, device_ids=[local_rank] if device_type == "cuda" else None)
-    return eval_model, train_model, optimizers, scaler, autocast_ctx, dtype
+        train_model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None)
+        if compile_model:  # DDP itself, in place (it stays a DDP, for no_sync): Dynamo's DDPOptimizer then splits
+            train_model.compile()  # the graph at the gradient buckets, so each all-reduce overlaps the backward
+        return train_model, train_model, optimizers, scaler, autocast_ctx, dtype  # eval: DDP forward, no_grad
+    eval_model = torch.compile(model) if compile_model else model
+    return eval_model, eval_model, optimizers, scaler, autocast_ctx, dtype
 
 
 def save_training_checkpoint(raw_model, optimizers, scaler, args, step, master, world_size, **fields):

@@ -51,6 +51,8 @@ def get_args(argv=None):
     p.add_argument("--init_from", choices=list(MODEL_SIZES), help="start from OpenAI's weights (needs transformers)")
     # data
     p.add_argument("--data_dir", default="data/fineweb-edu-10BT", help="folder of [PREFIX_]train_N / val_N token shards")
+    p.add_argument("--data_order", default="shuffled", choices=["shuffled", "sequential"],
+                   help="shuffled: shards and their steps in a seeded new order each epoch; sequential: file order")
     p.add_argument("--seq_len", type=int, default=1024, help="tokens per training sequence (at most the context length)")
     p.add_argument("--micro_batch_size", type=int, default=64, help="sequences per forward pass on each process")
     p.add_argument("--total_batch_size", type=int, default=524288, help="tokens per optimizer step, over all processes")
@@ -704,31 +706,80 @@ def find_shards(data_dir, split):
 
 
 class ShardLoader:
-    """Batches of (B, T) inputs and targets, read in order through the shards. Each rank reads its own stride of
-    every step's B * T * world_size tokens; (shard, pos) is all the state there is, and it goes in checkpoints."""
+    """Batches of (B, T) inputs and targets from token shards, read a window at a time. A window is `span`
+    micro-batches over all ranks: span * B * T * world_size tokens (and one more for the last target), and each
+    rank reads its own stride of each micro-batch. The tail of a shard shorter than a window is skipped.
+    order "sequential": shards in file order, windows in order (build-nanogpt's order). "shuffled": every epoch
+    permutes the shards, and each shard's windows, seeded by (seed, epoch) alone, so every window is read once an
+    epoch and (epoch, shard, window, micro-batch) is all the state there is; it goes in checkpoints."""
 
-    def __init__(self, files, B, T, rank, world_size, pin_memory=False):
+    def __init__(self, files, B, T, rank, world_size, pin_memory=False, order="sequential", span=1, seed=0):
         self.shards = [load_shard(f) for f in files]
         self.B, self.T, self.rank, self.world_size, self.pin_memory = B, T, rank, world_size, pin_memory
-        self.tokens_per_step = B * T * world_size
+        self.order, self.span, self.seed = order, span, seed % 2**64  # numpy seeds are non-negative
+        self.tokens_per_step = B * T * world_size  # one micro-batch over all ranks
+        self.window_tokens = span * self.tokens_per_step
         for f, tokens in zip(files, self.shards):
-            if len(tokens) < self.tokens_per_step + 1:
+            if len(tokens) < self.window_tokens + 1:
                 die(f"{f} has {len(tokens)} tokens, fewer than one step over all ranks reads "
-                    f"({self.tokens_per_step + 1}); lower --micro_batch_size or --seq_len")
-        self.shard, self.pos = 0, 0
+                    f"({self.window_tokens + 1}); lower --total_batch_size, --micro_batch_size or --seq_len")
+        self.num_windows = [(len(tokens) - 1) // self.window_tokens for tokens in self.shards]
+        self.seek(0, 0, 0, 0)
+
+    def shard_order(self, epoch):
+        if self.order == "sequential":
+            return range(len(self.shards))
+        return np.random.default_rng((self.seed, epoch)).permutation(len(self.shards))
+
+    def window_order(self, epoch, shard):
+        if self.order == "sequential":
+            return range(self.num_windows[shard])
+        return np.random.default_rng((self.seed, epoch, 1 + shard)).permutation(self.num_windows[shard])
+
+    def seek(self, epoch, shard, window, micro):
+        """Go to a position: the shard-th shard of the epoch's order, its window-th window, micro-th micro-batch."""
+        self.epoch, self.shard, self.window, self.micro = epoch, shard, window, micro
+        self.shards_in_order = self.shard_order(epoch)
+        self.windows_in_order = self.window_order(epoch, self.shards_in_order[shard])
 
     def state(self):
-        return {"shard": self.shard, "pos": self.pos}
+        return {"epoch": self.epoch, "shard": self.shard, "window": self.window, "micro": self.micro,
+                "order": self.order, "seed": self.seed, "window_tokens": self.window_tokens,
+                "num_windows": sum(self.num_windows)}
 
     def load_state(self, state):
-        self.shard, self.pos = state["shard"], state["pos"]
+        if "pos" in state:  # a checkpoint from before --data_order: (shard, token position), sequential
+            if self.order != "sequential" or state["pos"] % self.tokens_per_step:
+                die(f"the checkpoint's data position (shard {state['shard']}, token {state['pos']}) is in the old "
+                    f"sequential format: resume it with --data_order sequential and the same --micro_batch_size, "
+                    f"--seq_len and number of processes")
+            steps = state["pos"] // self.tokens_per_step
+            return self.seek(0, state["shard"], steps // self.span, steps % self.span)
+        ours = (self.order, self.seed, self.window_tokens, sum(self.num_windows))
+        theirs = (state["order"], state["seed"], state["window_tokens"], state["num_windows"])
+        if ours == theirs:
+            return self.seek(state["epoch"], state["shard"], state["window"], state["micro"])
+        # the data, its order or the batch changed since the checkpoint: go on from the same point of the epoch
+        shard = min(state["shard"], len(self.shards) - 1)
+        tokens_read = state["window"] * state["window_tokens"]  # checkpoints are taken between steps: micro is 0
+        window = min(-(-tokens_read // self.window_tokens), self.num_windows[self.shard_order(state["epoch"])[shard]])
+        if self.rank == 0:
+            print(f"data: the checkpoint read (order, seed, tokens per window, windows) = {theirs}, this run {ours}: "
+                  f"going on at epoch {state['epoch']}, shard {shard}, window {window} of the new order (this epoch "
+                  f"may repeat or skip some tokens)")
+        self.seek(state["epoch"], shard, window, 0)
 
     def next_batch(self):
-        if self.pos + self.tokens_per_step + 1 > len(self.shards[self.shard]):
-            self.shard, self.pos = (self.shard + 1) % len(self.shards), 0
-        start = self.pos + self.B * self.T * self.rank
-        buf = torch.from_numpy(self.shards[self.shard][start: start + self.B * self.T + 1].astype(np.int64))
-        self.pos += self.tokens_per_step
+        if self.window == len(self.windows_in_order):  # the shard is done: the next one, or the next epoch
+            more = self.shard + 1 < len(self.shards)
+            self.seek(self.epoch + (not more), self.shard + 1 if more else 0, 0, 0)
+        window_start = self.windows_in_order[self.window] * self.window_tokens
+        start = window_start + (self.micro * self.world_size + self.rank) * self.B * self.T
+        buf = torch.from_numpy(self.shards[self.shards_in_order[self.shard]][start: start + self.B * self.T + 1]
+                               .astype(np.int64))
+        self.micro += 1
+        if self.micro == self.span:
+            self.window, self.micro = self.window + 1, 0
         if self.pin_memory:
             buf = buf.pin_memory()
         return buf[:-1].view(self.B, self.T), buf[1:].view(self.B, self.T)
@@ -867,10 +918,11 @@ def parameter_mib(model):
 
 
 def setup_training(model, args, device, local_rank, world_size):
-    """Precision, sharding, optimizers, compile and DDP, in the order they must happen. Returns the module to
-    evaluate (compiled if asked), the one to train (DDP-wrapped where that applies), the optimizers, the grad
-    scaler (float16 only), the autocast context and the dtype. `model` stays the plain module: checkpoints,
-    sampling and HellaSwag use it, eager, at any shape."""
+    """Precision, sharding, optimizers, DDP and compile, in the order they must happen. Returns the module to
+    evaluate (compiled if asked), the one to train (DDP-wrapped where that applies; under DDP the two are one:
+    its forward under no_grad sets up no gradient sync), the optimizers, the grad scaler (float16 only), the
+    autocast context and the dtype. `model` stays the plain module: checkpoints, sampling and HellaSwag use it,
+    eager, at any shape."""
     device_type = device.split(":")[0]
     dtype = autocast_dtype(args.dtype, device_type)
     autocast_ctx = autocast_context(device_type, dtype)
@@ -885,11 +937,14 @@ def setup_training(model, args, device, local_rank, world_size):
     if device_type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and newer
     optimizers = make_optimizers(model, args, device_type)  # after sharding: FSDP replaces the parameters
-    eval_model = torch.compile(model) if use_compile(args.compile, device_type) else model
-    train_model = eval_model
+    compile_model = use_compile(args.compile, device_type)
     if world_size > 1 and not args.fsdp:
-        train_model = DDP(eval_model, device_ids=[local_rank] if device_type == "cuda" else None)
-    return eval_model, train_model, optimizers, scaler, autocast_ctx, dtype
+        train_model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None)
+        if compile_model:  # DDP itself, in place (it stays a DDP, for no_sync): Dynamo's DDPOptimizer then splits
+            train_model.compile()  # the graph at the gradient buckets, so each all-reduce overlaps the backward
+        return train_model, train_model, optimizers, scaler, autocast_ctx, dtype  # eval: DDP forward, no_grad
+    eval_model = torch.compile(model) if compile_model else model
+    return eval_model, eval_model, optimizers, scaler, autocast_ctx, dtype
 
 
 def save_training_checkpoint(raw_model, optimizers, scaler, args, step, master, world_size, **fields):
@@ -1016,7 +1071,10 @@ def main(argv=None):
                                                                                  world_size)
 
     pin = device_type == "cuda"
-    train_loader = ShardLoader(train_files, B, T, rank, world_size, pin_memory=pin)
+    # shuffled, a window is a whole step (total_batch_size tokens): the order is the same for any process count
+    span = grad_accum_steps if args.data_order == "shuffled" else 1
+    train_loader = ShardLoader(train_files, B, T, rank, world_size, pin_memory=pin, order=args.data_order, span=span,
+                               seed=args.seed)
     val_loader = ShardLoader(val_files, B, T, rank, world_size, pin_memory=pin)
     val_steps = max(1, args.val_tokens // (B * T * world_size))
     one_pass = sum((len(tokens) - 1) // (B * T * world_size) for tokens in val_loader.shards)  # steps to read all once
@@ -1040,6 +1098,9 @@ def main(argv=None):
         print(f"{raw_model.num_params():,} parameters, {parameter_mib(raw_model):.1f} MiB of them per rank "
               f"({'FSDP' if args.fsdp else 'DDP' if world_size > 1 else 'one process'}) | {device} "
               f"{str(dtype).replace('torch.', '')} | {args.total_batch_size:,} tokens/step = {grad_accum_steps} x {B} x {T} x {world_size}")
+        epoch_tokens = sum(train_loader.num_windows) * train_loader.window_tokens
+        print(f"train data: {args.data_order} order, {len(train_files)} shards, an epoch is {epoch_tokens:,} tokens "
+              f"= {epoch_tokens / args.total_batch_size:,.1f} steps")
 
     @torch.no_grad()
     def evaluate_val_loss():
