@@ -78,7 +78,8 @@ def test_each_epoch_is_packed_on_its_own_into_compact_arrays(tmp_path):
     convs = [[{"role": "user", "content": f"Tell me about number {i}."},
               {"role": "assistant", "content": f"{i} is a number" + " and a fine one" * (i % 5)}] for i in range(100)]
     write_chat(tmp_path / "a.jsonl", convs)
-    args = mid_train.get_args(["--init_from", "gpt2", "--data", f"chat:{tmp_path / 'a.jsonl'}:2", "--val_fraction", "0.1"])
+    args = mid_train.get_args(["--init_from", "gpt2", "--data", f"chat:{tmp_path / 'a.jsonl'}:2",
+                               "--val_fraction", "0.1"])
     enc = mid_train.get_chat_tokenizer()
     tokens, mask, count, cropped = mid_train.build_data(args, enc, 65)["train"]
     rows = [re.findall(r"about number (\d+)\.", enc.decode(row.tolist())) for row in tokens]
