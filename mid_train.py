@@ -16,6 +16,7 @@ import argparse
 import bisect
 import csv
 import glob
+import itertools
 import json
 import math
 import os
@@ -275,8 +276,9 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx, targets=None, kv_cache=None):
-        """Logits for every position; with targets (-1 where ignored), also the mean cross-entropy loss."""
+    def forward(self, idx, targets=None, kv_cache=None, reduction="mean"):
+        """Logits for every position; with targets (-1 where ignored), also the cross-entropy loss over the targets:
+        their mean, or with reduction="sum" their sum (0 where there are none), which training divides itself."""
         B, T = idx.size()
         start = kv_cache.pos if kv_cache is not None else 0
         assert start + T <= self.config.block_size, f"sequence of {start + T} is past the context {self.config.block_size}"
@@ -289,7 +291,8 @@ class GPT(nn.Module):
             kv_cache.pos += T
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1,
+                                   reduction=reduction)
         return logits, loss
 
     def num_params(self):
@@ -624,10 +627,14 @@ def elapsed_ms(start, end):
     return (end - start) * 1000 if isinstance(start, float) else start.elapsed_time(end)
 
 
-def train_step(train_model, raw_model, optimizers, scaler, next_batch, grad_accum_steps, grad_clip, device, autocast_ctx):
+def train_step(train_model, raw_model, optimizers, scaler, next_batch, grad_accum_steps, step_tokens, grad_clip, device,
+               autocast_ctx):
     """One optimizer step over grad_accum_steps micro-batches, gradients all-reduced on the last one only.
-    Returns the mean loss as a device tensor (no host sync in here), the gradient norm, and timestamps."""
+    step_tokens: the targets (not -1) in the step's micro-batches on all ranks, the loss's denominator.
+    Returns this rank's part of the loss as a device tensor (no host sync in here; the step's loss is its average
+    over the ranks), the gradient norm, and timestamps."""
     device_type = device.split(":")[0]
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
     loss_accum = torch.zeros((), device=device)
     marks = []
     for micro_step in range(grad_accum_steps):
@@ -639,8 +646,13 @@ def train_step(train_model, raw_model, optimizers, scaler, next_batch, grad_accu
         if isinstance(raw_model, FSDPModule):
             raw_model.set_requires_gradient_sync(last)
         with train_model.no_sync() if isinstance(train_model, DDP) and not last else nullcontext(), autocast_ctx:
-            _, loss = train_model(x, y)
-        loss = loss / grad_accum_steps
+            _, loss = train_model(x, y, reduction="sum")
+        # The step's loss is the mean over every target of the step: the sum of the per-token losses of all micro-
+        # batches on all ranks, divided by step_tokens. DDP and FSDP average the ranks' gradients (divide their
+        # sum by world_size), so each rank scales its sum by world_size / step_tokens. A micro-batch with few
+        # targets weighs little and one with none adds 0. In pretraining every token is a target, and this is the
+        # mean over each micro-batch's B * T tokens divided by grad_accum_steps, as in build-nanogpt.
+        loss = loss * (world_size / max(step_tokens, 1))  # a step with no target at all: 0, not 0 / 0
         loss_accum += loss.detach()
         scaler.scale(loss).backward()
         marks.append((t0, t1, timestamp(device_type)))
@@ -962,44 +974,52 @@ def pack_rows(conversations, capacity):
 
 
 def rows_to_arrays(rows, conversations, capacity):
-    """(N, capacity) token ids and loss mask; the room left in a row is padding with mask 0."""
-    tokens = np.full((len(rows), capacity), EOT_TOKEN, dtype=np.int32)
+    """(N, capacity) token ids (uint16: the chat vocab of 50264 fits) and bool loss mask, 3 bytes a token; the room
+    left in a row is padding with mask 0."""
+    tokens = np.full((len(rows), capacity), EOT_TOKEN, dtype=np.uint16)
     mask = np.zeros((len(rows), capacity), dtype=bool)
     for r, row in enumerate(rows):
-        ids = [t for i in row for t in conversations[i][0]][:capacity]
-        learn = [m for i in row for m in conversations[i][1]][:capacity]
+        ids = np.concatenate([conversations[i][0] for i in row])[:capacity]
         tokens[r, : len(ids)] = ids
-        mask[r, : len(learn)] = learn
+        mask[r, : len(ids)] = np.concatenate([conversations[i][1] for i in row])[:capacity]
     return tokens, mask
 
 
 def build_data(args, enc, capacity):
-    """Train and val rows from the sources: a seeded shuffle of each source, the first val_fraction held out,
-    the rest repeated for its epochs; all of it shuffled together, rendered and packed."""
-    train, val = [], []
+    """Train and val rows from the sources: a seeded shuffle of each source, the first val_fraction held out.
+    Each train epoch is shuffled and packed on its own (seeded by seed + 1 + epoch), so that no row holds two copies
+    of a conversation; epoch e holds the sources with more than e epochs. Conversations are rendered once, to
+    numpy arrays."""
+
+    def render(messages):
+        ids, mask = render_conversation(enc, messages)
+        if args.train_on == "all":
+            mask = [0] + [1] * (len(ids) - 1)
+        return np.array(ids, dtype=np.uint16), np.array(mask, dtype=bool)
+
+    train, val = [], []  # train: (rendered conversation, its epochs)
     for spec in args.data:
         kind, path, epochs = parse_source(spec)
         conversations = load_source(kind, path)
         random.Random(args.seed).shuffle(conversations)
         n_val = math.ceil(len(conversations) * args.val_fraction) if len(conversations) > 1 else 0
-        val += conversations[:n_val]
-        train += conversations[n_val:] * epochs
-    random.Random(args.seed + 1).shuffle(train)
-    rendered = {}
-
-    def render(messages):
-        key = id(messages)  # repeated epochs render once
-        if key not in rendered:
-            ids, mask = render_conversation(enc, messages)
-            rendered[key] = (ids, [0] + [1] * (len(ids) - 1) if args.train_on == "all" else mask)
-        return rendered[key]
+        val += [render(m) for m in conversations[:n_val]]
+        train += [(render(m), epochs) for m in conversations[n_val:]]
 
     splits = {}
-    for name, conversations in (("train", train), ("val", val)):
-        items = [render(m) for m in conversations]
-        rows, cropped = pack_rows(items, capacity)
-        random.Random(args.seed + 2).shuffle(rows)
-        splits[name] = (*rows_to_arrays(rows, items, capacity), len(items), cropped)
+    train_epochs = [[item for item, n in train if n > epoch] for epoch in range(max((n for _, n in train), default=1))]
+    for name, parts in (("train", train_epochs), ("val", [val])):
+        tokens, mask, count, cropped = [], [], 0, 0
+        for epoch, items in enumerate(parts):
+            rng = random.Random(args.seed + 1 + epoch)
+            rng.shuffle(items)
+            rows, crops = pack_rows(items, capacity)
+            rng.shuffle(rows)
+            tokens_e, mask_e = rows_to_arrays(rows, items, capacity)
+            tokens.append(tokens_e)
+            mask.append(mask_e)
+            count, cropped = count + len(items), cropped + crops
+        splits[name] = (np.concatenate(tokens), np.concatenate(mask), count, cropped)
     return splits
 
 
@@ -1008,13 +1028,26 @@ class RowLoader:
     of every B * world_size. `pos` is the state, and it goes in checkpoints."""
 
     def __init__(self, tokens, mask, B, rank, world_size, pin_memory=False):
-        self.tokens, self.mask = torch.from_numpy(tokens), torch.from_numpy(mask)  # int32: widened a batch at a time
+        self.tokens, self.mask = torch.from_numpy(tokens), torch.from_numpy(mask)  # uint16: widened a batch at a time
         self.B, self.rank, self.world_size, self.pin_memory = B, rank, world_size, pin_memory
         self.pos = 0
 
+    def batch_start(self, pos):
+        """Where the micro-batch at pos really starts: 0 when too few rows are left, for another pass."""
+        return pos if pos + self.B * self.world_size <= len(self.tokens) else 0
+
+    def step_tokens(self, micro_batches):
+        """Targets (tokens learned) in the next micro_batches batches of all ranks, what the step's loss is averaged
+        over. Every rank holds every row, so each counts them all itself."""
+        pos, count = self.pos, 0
+        for _ in range(micro_batches):
+            pos = self.batch_start(pos)
+            count += int(self.mask[pos: pos + self.B * self.world_size, 1:].sum())
+            pos += self.B * self.world_size
+        return count
+
     def next_batch(self):
-        if self.pos + self.B * self.world_size > len(self.tokens):
-            self.pos = 0  # another pass over the rows
+        self.pos = self.batch_start(self.pos)
         rows = slice(self.pos + self.B * self.rank, self.pos + self.B * (self.rank + 1))
         self.pos += self.B * self.world_size
         x = self.tokens[rows, :-1].long()
@@ -1107,6 +1140,12 @@ def main(argv=None):
         print(f"{raw_model.num_params():,} parameters, {parameter_mib(raw_model):.1f} MiB of them per rank "
               f"({'FSDP' if args.fsdp else 'DDP' if world_size > 1 else 'one process'}) | {device} "
               f"{str(dtype).replace('torch.', '')} | {args.max_steps} steps of {total_batch_size:,} tokens = {grad_accum_steps} x {B} x {T} x {world_size}")
+    # FSDP needs every rank to run as many val forwards as the others: pad the val rows to a whole micro-batch on
+    # every rank, with rows that have no target (they add nothing to the loss or its token count)
+    pad = -len(val_tokens) % (B * world_size)
+    val_tokens = np.concatenate([val_tokens, np.full((pad, T + 1), EOT_TOKEN, val_tokens.dtype)])
+    val_mask = np.concatenate([val_mask, np.zeros((pad, T + 1), bool)])
+
     @torch.no_grad()
     def evaluate_val():
         """Loss per learned token and bits per byte over the whole val split; rows split across ranks."""
@@ -1166,9 +1205,10 @@ def main(argv=None):
                 reply = []
                 for token in generate(raw_model, prompt, args.sample_len, enc.n_vocab, top_k=50, generator=generator,
                                       autocast_ctx=autocast_ctx):
-                    if token.item() in stop_reply:
-                        break
                     reply.append(token.item())
+                    if reply[-1] in stop_reply and not args.fsdp:  # FSDP: every rank runs all sample_len forwards
+                        break
+                reply = list(itertools.takewhile(lambda t: t not in stop_reply, reply))
                 if master:
                     print(f"sample | user: {args.prompt!r} | assistant: {enc.decode(reply)!r}", flush=True)
                 raw_model.train()
@@ -1181,8 +1221,9 @@ def main(argv=None):
             t_interval = time.perf_counter()
         lr_mult = lr_multiplier(step, args)
         set_schedule(optimizers, lr_mult, step, args)
+        step_tokens = train_loader.step_tokens(grad_accum_steps)  # before the step reads them
         loss_accum, grad_norm, marks = train_step(train_model, raw_model, optimizers, scaler, train_loader.next_batch,
-                                                  grad_accum_steps, args.grad_clip, device, autocast_ctx)
+                                                  grad_accum_steps, step_tokens, args.grad_clip, device, autocast_ctx)
         timings.append(marks)
         stop = agree_to_stop(loss_accum, world_size)
         if step % args.log_every == 0 or step == args.max_steps - 1:

@@ -229,8 +229,9 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx, targets=None, kv_cache=None):
-        """Logits for every position; with targets (-1 where ignored), also the mean cross-entropy loss."""
+    def forward(self, idx, targets=None, kv_cache=None, reduction="mean"):
+        """Logits for every position; with targets (-1 where ignored), also the cross-entropy loss over the targets:
+        their mean, or with reduction="sum" their sum (0 where there are none), which training divides itself."""
         B, T = idx.size()
         start = kv_cache.pos if kv_cache is not None else 0
         assert start + T <= self.config.block_size, f"sequence of {start + T} is past the context {self.config.block_size}"
@@ -243,7 +244,8 @@ class GPT(nn.Module):
             kv_cache.pos += T
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1,
+                                   reduction=reduction)
         return logits, loss
 
     def num_params(self):

@@ -255,8 +255,9 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx, targets=None, kv_cache=None):
-        """Logits for every position; with targets (-1 where ignored), also the mean cross-entropy loss."""
+    def forward(self, idx, targets=None, kv_cache=None, reduction="mean"):
+        """Logits for every position; with targets (-1 where ignored), also the cross-entropy loss over the targets:
+        their mean, or with reduction="sum" their sum (0 where there are none), which training divides itself."""
         B, T = idx.size()
         start = kv_cache.pos if kv_cache is not None else 0
         assert start + T <= self.config.block_size, f"sequence of {start + T} is past the context {self.config.block_size}"
@@ -269,7 +270,8 @@ class GPT(nn.Module):
             kv_cache.pos += T
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1,
+                                   reduction=reduction)
         return logits, loss
 
     def num_params(self):
@@ -808,10 +810,14 @@ def elapsed_ms(start, end):
     return (end - start) * 1000 if isinstance(start, float) else start.elapsed_time(end)
 
 
-def train_step(train_model, raw_model, optimizers, scaler, next_batch, grad_accum_steps, grad_clip, device, autocast_ctx):
+def train_step(train_model, raw_model, optimizers, scaler, next_batch, grad_accum_steps, step_tokens, grad_clip, device,
+               autocast_ctx):
     """One optimizer step over grad_accum_steps micro-batches, gradients all-reduced on the last one only.
-    Returns the mean loss as a device tensor (no host sync in here), the gradient norm, and timestamps."""
+    step_tokens: the targets (not -1) in the step's micro-batches on all ranks, the loss's denominator.
+    Returns this rank's part of the loss as a device tensor (no host sync in here; the step's loss is its average
+    over the ranks), the gradient norm, and timestamps."""
     device_type = device.split(":")[0]
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
     loss_accum = torch.zeros((), device=device)
     marks = []
     for micro_step in range(grad_accum_steps):
@@ -823,8 +829,13 @@ def train_step(train_model, raw_model, optimizers, scaler, next_batch, grad_accu
         if isinstance(raw_model, FSDPModule):
             raw_model.set_requires_gradient_sync(last)
         with train_model.no_sync() if isinstance(train_model, DDP) and not last else nullcontext(), autocast_ctx:
-            _, loss = train_model(x, y)
-        loss = loss / grad_accum_steps
+            _, loss = train_model(x, y, reduction="sum")
+        # The step's loss is the mean over every target of the step: the sum of the per-token losses of all micro-
+        # batches on all ranks, divided by step_tokens. DDP and FSDP average the ranks' gradients (divide their
+        # sum by world_size), so each rank scales its sum by world_size / step_tokens. A micro-batch with few
+        # targets weighs little and one with none adds 0. In pretraining every token is a target, and this is the
+        # mean over each micro-batch's B * T tokens divided by grad_accum_steps, as in build-nanogpt.
+        loss = loss * (world_size / max(step_tokens, 1))  # a step with no target at all: 0, not 0 / 0
         loss_accum += loss.detach()
         scaler.scale(loss).backward()
         marks.append((t0, t1, timestamp(device_type)))
@@ -1178,7 +1189,8 @@ def main(argv=None):
         lr_mult = lr_multiplier(step, args)
         set_schedule(optimizers, lr_mult, step, args)
         loss_accum, grad_norm, marks = train_step(train_model, raw_model, optimizers, scaler, train_loader.next_batch,
-                                                  grad_accum_steps, args.grad_clip, device, autocast_ctx)
+                                                  grad_accum_steps, args.total_batch_size, args.grad_clip, device,
+                                                  autocast_ctx)
         timings.append(marks)
         stop = agree_to_stop(loss_accum, world_size)
         if step % args.log_every == 0 or step == args.max_steps - 1:

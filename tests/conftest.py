@@ -33,7 +33,14 @@ def torchrun(script, *args, nproc=2, timeout=600):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            os.path.join(REPO, script), *map(str, args)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as popen:
+        try:
+            stdout, stderr = popen.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:  # a hang: SIGTERM makes torchrun end its ranks (SIGKILL after 30 s)
+            popen.terminate()
+            stdout, stderr = popen.communicate()
+            raise AssertionError(f"torchrun hung: stopped after {timeout} s\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    proc = subprocess.CompletedProcess(cmd, popen.returncode, stdout, stderr)
     assert proc.returncode == 0, f"torchrun exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
 

@@ -1,9 +1,16 @@
+import copy
 import json
 import random
+import re
 import subprocess
 import sys
+from collections import Counter
+from contextlib import nullcontext
 
+import numpy as np
 import pytest
+import torch
+import torch.nn.functional as F
 
 import mid_train
 from conftest import REPO, run, torchrun, train_losses, val_losses
@@ -67,6 +74,67 @@ def test_epochs_repeat_each_conversation(tmp_path):
     assert splits["train"][2] == 45 * 3 and splits["val"][2] == 5
 
 
+def test_each_epoch_is_packed_on_its_own_into_compact_arrays(tmp_path):
+    convs = [[{"role": "user", "content": f"Tell me about number {i}."},
+              {"role": "assistant", "content": f"{i} is a number" + " and a fine one" * (i % 5)}] for i in range(100)]
+    write_chat(tmp_path / "a.jsonl", convs)
+    args = mid_train.get_args(["--init_from", "gpt2", "--data", f"chat:{tmp_path / 'a.jsonl'}:2",
+                               "--val_fraction", "0.1"])
+    enc = mid_train.get_chat_tokenizer()
+    tokens, mask, count, cropped = mid_train.build_data(args, enc, 65)["train"]
+    rows = [re.findall(r"about number (\d+)\.", enc.decode(row.tolist())) for row in tokens]
+    assert all(len(set(row)) == len(row) for row in rows)  # no row holds two copies of one conversation
+    uses = Counter(i for row in rows for i in row)
+    assert len(uses) == 90 and set(uses.values()) == {2} and count == 180 and cropped == 0
+    assert tokens.dtype == np.uint16 and mask.dtype == bool  # 3 bytes a token, not Python lists
+    assert tokens.nbytes + mask.nbytes == 3 * tokens.size
+
+
+def test_step_loss_and_gradient_are_the_mean_over_every_target():
+    # three micro-batches with 64, 1 and 0 targets: the loss is the mean over all 65, not a mean of micro-batch means
+    torch.manual_seed(0)
+    model = mid_train.GPT(mid_train.GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16))
+    reference = copy.deepcopy(model)
+    x, y = torch.randint(0, 64, (3, 4, 16)), torch.randint(0, 64, (3, 4, 16))
+    y[1:] = -1
+    y[1, 2, 7] = 5
+    logits, _ = reference(x.flatten(0, 1))
+    expected = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-1)
+    expected.backward()
+    batches = iter(zip(x, y))
+    sgd = torch.optim.SGD(model.parameters(), lr=1.0)
+    loss, _, _ = mid_train.train_step(model, model, [sgd], torch.amp.GradScaler("cpu", enabled=False),
+                                      lambda: next(batches), 3, 65, 0.0, "cpu", nullcontext())
+    assert abs(loss.item() - expected.item()) < 1e-6, (loss, expected)  # finite, though a micro-batch learns nothing
+    for before, after in zip(reference.parameters(), model.parameters()):  # one SGD step of lr 1 moved them by -grad
+        torch.testing.assert_close(before.detach() - after.detach(), before.grad, rtol=0, atol=1e-6)
+
+
+def test_fsdp_with_fewer_val_rows_than_ranks_times_batch_matches_ddp_and_the_reference(base_ckpt, tmp_path):
+    write_chat(tmp_path / "chat.jsonl", conversations(100))
+    flags = [*MID, "--init_ckpt", base_ckpt, "--data", f"chat:{tmp_path / 'chat.jsonl'}", "--val_fraction", 0.05,
+             "--max_steps", 3, "--sample_len", 8]
+    ddp = torchrun("mid_train.py", *flags, "--out_dir", tmp_path / "ddp", timeout=180)
+    assert "in 2 rows" in ddp.stdout  # 2 val rows for 2 ranks of micro-batch 4: before the padding, FSDP hung here
+    torchrun("mid_train.py", *flags, "--out_dir", tmp_path / "fsdp", "--fsdp", timeout=180)
+    a, b = train_losses(tmp_path / "ddp"), train_losses(tmp_path / "fsdp")
+    assert sorted(b) == [0, 1, 2] and all(abs(a[s] - b[s]) < 1e-4 for s in a), (a, b)
+    val_a, val_b = val_losses(tmp_path / "ddp"), val_losses(tmp_path / "fsdp")
+    assert sorted(val_b) == [0, 3] and all(abs(val_a[s] - val_b[s]) < 1e-4 for s in val_a), (val_a, val_b)
+
+    # step 0's train loss (8 rows, 4 on each rank) and val loss: the mean over every learned token, from the model
+    args = mid_train.get_args(list(map(str, flags)))
+    splits = mid_train.build_data(args, mid_train.get_chat_tokenizer(), 65)
+    model = mid_train.model_from_checkpoint(mid_train.load_checkpoint(base_ckpt)[0])
+    for (tokens, mask, _, _), logged in ((splits["train"], a[0]), (splits["val"], val_a[0])):
+        tokens, mask = torch.from_numpy(tokens[:8]).long(), torch.from_numpy(mask[:8])
+        with torch.no_grad():
+            logits, _ = model(tokens[:, :-1])
+        expected = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].masked_fill(~mask[:, 1:], -1).flatten(),
+                                   ignore_index=-1)
+        assert abs(logged - expected.item()) < 1e-5, (logged, expected)
+
+
 def test_midtraining_lowers_val_loss_and_chats(base_ckpt, tmp_path):
     write_chat(tmp_path / "chat.jsonl", conversations(240))
     write_chat(tmp_path / "bare.jsonl", conversations(60, seed=1), wrapped=False)
@@ -94,14 +162,16 @@ def test_ddp_matches_single_process_and_resume_is_exact(base_ckpt, tmp_path):
     write_chat(tmp_path / "chat.jsonl", conversations(240))
     flags = [*MID, "--init_ckpt", base_ckpt, "--data", f"chat:{tmp_path / 'chat.jsonl'}", "--max_steps", 8,
              "--eval_every", 4, "--save_every", 4, "--total_batch_size", 512]
-    run("mid_train.py", *flags, "--out_dir", tmp_path / "single", check=True)
+    # one process in 4 micro-batches of 2 rows, two in one of 4 rows each: the same loss (the mean over every
+    # learned token of the step), however the rows are grouped
+    run("mid_train.py", *flags, "--micro_batch_size", 2, "--out_dir", tmp_path / "single", check=True)
     torchrun("mid_train.py", *flags, "--out_dir", tmp_path / "ddp")
     single, ddp = train_losses(tmp_path / "single"), train_losses(tmp_path / "ddp")
     assert sorted(ddp) == list(range(8)) and all(abs(single[s] - ddp[s]) < 1e-5 for s in single), (single, ddp)
     resumed = tmp_path / "resumed"
     resumed.mkdir()
     (resumed / "ckpt_0000004.pt").hardlink_to(tmp_path / "single" / "ckpt_0000004.pt")
-    run("mid_train.py", *flags, "--out_dir", resumed, "--resume", check=True)
+    run("mid_train.py", *flags, "--micro_batch_size", 2, "--out_dir", resumed, "--resume", check=True)
     again = train_losses(resumed)
     assert sorted(again) == [4, 5, 6, 7] and all(again[s] == single[s] for s in again)
     assert val_losses(resumed)[8] == val_losses(tmp_path / "single")[8]
