@@ -44,7 +44,8 @@ HUB_SOURCES = {  # what `KIND:hub` loads through `datasets`
 
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description="Midtrain a GPT-2 checkpoint on conversations (chat format) and tasks.")
+    p = argparse.ArgumentParser(description="Midtrain a GPT-2 checkpoint on conversations (chat format) and tasks.",
+                                formatter_class=HelpFormatter)
     p.error = lambda message: die(message)
     p.add_argument("--init_ckpt", help="train_gpt2.py checkpoint to start from (a file or an out_dir)")
     p.add_argument("--init_from", choices=list(MODEL_SIZES), help="start from OpenAI's weights instead (transformers)")
@@ -98,6 +99,15 @@ def die(message):
     """Bad input: one line naming the problem and the fix, exit code 2, no traceback."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """--help shows every flag's default, except where there is none (None, a switch's False) or the help says it."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in action.help:
+            return action.help
+        return action.help + (" (default: %(default)r)" if isinstance(action.default, str) else " (default: %(default)s)")
 # ---- end shared: cli ----
 
 

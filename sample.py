@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description="Sample from a GPT-2 checkpoint, or chat with a midtrained one.")
+    p = argparse.ArgumentParser(description="Sample from a GPT-2 checkpoint, or chat with a midtrained one.",
+                                formatter_class=HelpFormatter)
     p.error = lambda message: die(message)
     p.add_argument("--ckpt", help="checkpoint file, or an out_dir (its newest checkpoint)")
     p.add_argument("--hf", choices=list(MODEL_SIZES), help="OpenAI's GPT-2 weights through transformers instead")
@@ -54,6 +55,15 @@ def die(message):
     """Bad input: one line naming the problem and the fix, exit code 2, no traceback."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """--help shows every flag's default, except where there is none (None, a switch's False) or the help says it."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in action.help:
+            return action.help
+        return action.help + (" (default: %(default)r)" if isinstance(action.default, str) else " (default: %(default)s)")
 # ---- end shared: cli ----
 
 

@@ -39,7 +39,8 @@ DEMO_PRESET = dict(  # a small GPT that trains on data/demo in about 7 minutes o
 
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description="Pretrain GPT-2 on token shards (llm.c .bin or uint16 .npy).")
+    p = argparse.ArgumentParser(description="Pretrain GPT-2 on token shards (llm.c .bin or uint16 .npy).",
+                                formatter_class=HelpFormatter)
     p.error = lambda message: die(message)  # one-line errors, exit code 2
     # model
     p.add_argument("--model", default="gpt2", choices=list(MODEL_SIZES), help="model size to train from scratch")
@@ -104,6 +105,15 @@ def die(message):
     """Bad input: one line naming the problem and the fix, exit code 2, no traceback."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """--help shows every flag's default, except where there is none (None, a switch's False) or the help says it."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in action.help:
+            return action.help
+        return action.help + (" (default: %(default)r)" if isinstance(action.default, str) else " (default: %(default)s)")
 # ---- end shared: cli ----
 
 
