@@ -66,6 +66,15 @@ class HelpFormatter(argparse.HelpFormatter):
 # ---- end shared: cli ----
 
 
+# ---- shared: progress ----
+def progress(iterable, desc, total=None, enabled=True):
+    """A tqdm bar on stderr for a loop that takes a while (an eval): shown after 2 s, and never when stderr is not
+    a terminal (logs, CI), as prepare_fineweb.py does."""
+    from tqdm import tqdm
+    return tqdm(iterable, desc=desc, total=total, leave=False, delay=2, disable=None if enabled else True)
+# ---- end shared: progress ----
+
+
 # ---- shared: tokenizer ----
 EOT_TOKEN = 50256  # <|endoftext|>, which delimits documents
 
@@ -414,7 +423,7 @@ def evaluate_hellaswag(model, examples, enc, device, batch_size=8, rank=0, world
     rendered = [render_hellaswag(ex, enc) for ex in examples[rank::world_size]]
     rendered.sort(key=lambda r: max(map(len, r[0])))  # examples of similar length batch together: little padding
     correct = correct_norm = 0
-    for i in range(0, len(rendered), batch_size):
+    for i in progress(range(0, len(rendered), batch_size), "hellaswag", enabled=rank == 0):
         batch = rendered[i: i + batch_size]
         pred, pred_norm = score_hellaswag(model, batch, device, n_vocab, autocast_ctx)
         labels = [r[2] for r in batch]

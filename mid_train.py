@@ -111,6 +111,15 @@ class HelpFormatter(argparse.HelpFormatter):
 # ---- end shared: cli ----
 
 
+# ---- shared: progress ----
+def progress(iterable, desc, total=None, enabled=True):
+    """A tqdm bar on stderr for a loop that takes a while (an eval): shown after 2 s, and never when stderr is not
+    a terminal (logs, CI), as prepare_fineweb.py does."""
+    from tqdm import tqdm
+    return tqdm(iterable, desc=desc, total=total, leave=False, delay=2, disable=None if enabled else True)
+# ---- end shared: progress ----
+
+
 # ---- shared: tokenizer ----
 EOT_TOKEN = 50256  # <|endoftext|>, which delimits documents
 
@@ -673,11 +682,28 @@ def peak_memory_gib(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # the process's peak RSS (Linux: KiB)
 
 
-def step_record(step, loss, lr, grad_norm, timings, interval_s, tokens_per_step, flops_per_step, peak_flops, device,
-                world_size):
-    """The step's log record and line. Times are averaged over the steps since the last line; tokens/s is over
-    all ranks in the slowest rank's time, MFU over all devices; peak memory is per rank. A collective."""
+def duration(seconds):
+    seconds = int(seconds)
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+def short_count(n):
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
+
+
+def step_record(step, max_steps, losses, lr, timings, t_interval, eta_from, tokens_per_step, flops_per_step, peak_flops,
+                device, world_size):
+    """The step's log record and line. losses: (loss, grad norm) device tensors of each step since the last line,
+    read here in one host sync: the line has their mean, and the last step's loss. Times are averaged over the
+    same steps; tokens/s is over all ranks in the slowest rank's time, MFU over all devices; peak memory is per
+    rank. eta_from: (step, time) the ETA counts from, after the first step (which compiles). A collective."""
     n = len(timings)
+    values = torch.stack([torch.stack(pair) for pair in losses]).tolist()  # note: this is a CPU-GPU sync point
+    loss, grad_norm = (sum(column) / n for column in zip(*values))
+    now = time.perf_counter()
+    interval_s = now - t_interval
     stats = [torch.tensor([interval_s, peak_memory_gib(device)], device=device) for _ in range(world_size)]
     if world_size > 1:
         dist.all_gather(stats, stats[0].clone())
@@ -686,15 +712,20 @@ def step_record(step, loss, lr, grad_norm, timings, interval_s, tokens_per_step,
     data_ms = sum(elapsed_ms(a, b) for marks, _ in timings for a, b, _ in marks) / n
     fb_ms = sum(elapsed_ms(b, c) for marks, _ in timings for _, b, c in marks) / n
     opt_ms = sum(elapsed_ms(marks[-1][2], end) for marks, end in timings) / n
-    record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "ms": step_s * 1000,
-              "tok_per_s": tokens_per_step / step_s, "data_ms": data_ms, "fwd_bwd_ms": fb_ms, "opt_ms": opt_ms,
-              "peak_mem_gib": memory}
-    line = (f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | norm {grad_norm:.4f} | {step_s * 1000:.1f} ms "
-            f"(data {data_ms:.1f}, fwd+bwd {fb_ms:.1f}, opt {opt_ms:.1f}) | {record['tok_per_s']:,.0f} tok/s "
-            f"| mem {max(memory):.2f} GiB/rank")
+    tokens = (step + 1) * tokens_per_step  # consumed since step 0, over all ranks
+    record = {"step": step, "loss": loss, "loss_last": values[-1][0], "lr": lr, "grad_norm": grad_norm,
+              "tokens": tokens, "ms": step_s * 1000, "tok_per_s": tokens_per_step / step_s, "data_ms": data_ms,
+              "fwd_bwd_ms": fb_ms, "opt_ms": opt_ms, "peak_mem_gib": memory}
+    last = f" (last {values[-1][0]:.6f})" if n > 1 else ""
+    line = (f"step {step:5d}/{max_steps} | loss {loss:.6f}{last} | lr {lr:.4e} | norm {grad_norm:.4f} | "
+            f"{step_s * 1000:.1f} ms (data {data_ms:.1f}, fwd+bwd {fb_ms:.1f}, opt {opt_ms:.1f}) | "
+            f"{record['tok_per_s']:,.0f} tok/s | {short_count(tokens)} tokens | mem {max(memory):.2f} GiB/rank")
     if peak_flops:
         record["mfu"] = flops_per_step / step_s / (peak_flops * world_size)
         line += f" | MFU {record['mfu'] * 100:.1f}%"
+    if step > eta_from[0]:  # the mean wall time of a step since the first one, evals and checkpoints included
+        record["eta_s"] = (now - eta_from[1]) / (step - eta_from[0]) * (max_steps - 1 - step)
+        line += f" | eta {duration(record['eta_s'])}"
     return record, line
 
 
@@ -1055,12 +1086,14 @@ def main(argv=None):
         print(f"{raw_model.num_params():,} parameters, {parameter_mib(raw_model):.1f} MiB of them per rank "
               f"({'FSDP' if args.fsdp else 'DDP' if world_size > 1 else 'one process'}) | {device} "
               f"{str(dtype).replace('torch.', '')} | {args.max_steps} steps of {total_batch_size:,} tokens = {grad_accum_steps} x {B} x {T} x {world_size}")
+        if model is not raw_model:
+            print("compiling the model (the first step takes a minute or more)", flush=True)
     @torch.no_grad()
     def evaluate_val():
         """Loss per learned token and bits per byte over the whole val split; rows split across ranks."""
         model.eval()
         sums = torch.zeros(4, device=device)  # loss in nats, learned tokens; loss over tokens with bytes, their bytes
-        for start in range(rank * B, len(val_tokens), B * world_size):
+        for start in progress(range(rank * B, len(val_tokens), B * world_size), "val loss", enabled=master):
             x = torch.from_numpy(val_tokens[start: start + B, :-1]).long().to(device)
             y = torch.from_numpy(val_tokens[start: start + B, 1:]).long().to(device)
             learned = torch.from_numpy(val_mask[start: start + B, 1:]).to(device)
@@ -1086,6 +1119,7 @@ def main(argv=None):
     peak_flops = device_peak_flops(device, args.peak_flops)
     stop_reply = {enc.encode_single_token("<|assistant_end|>"), EOT_TOKEN}
     timings = []
+    losses = []  # (loss, grad norm) on the device per step since the last log line
 
     for step in range(start_step, args.max_steps + 1):
         last_step = step == args.max_steps
@@ -1109,7 +1143,7 @@ def main(argv=None):
                         break
                     reply.append(token.item())
                 if master:
-                    print(f"sample | user: {args.prompt!r} | assistant: {enc.decode(reply)!r}", flush=True)
+                    print(f"---- sample ----\nuser: {args.prompt}\nassistant: {enc.decode(reply)}", flush=True)
                 raw_model.train()
         if step > start_step and (step % args.save_every == 0 or last_step):
             save(step)
@@ -1124,11 +1158,14 @@ def main(argv=None):
                                                   grad_accum_steps, args.grad_clip, device, autocast_ctx)
         timings.append(marks)
         agree_to_stop(loss_accum, world_size)
+        losses.append((loss_accum, grad_norm))
+        if step == start_step:
+            eta_from = (step, time.perf_counter())
         if step % args.log_every == 0 or step == args.max_steps - 1:
-            log(*step_record(step, loss_accum.item(), args.lr * lr_mult, grad_norm.item(), timings,
-                             time.perf_counter() - t_interval, total_batch_size, flops_per_step, peak_flops, device,
-                             world_size))
+            log(*step_record(step, args.max_steps, losses, args.lr * lr_mult, timings, t_interval, eta_from,
+                             total_batch_size, flops_per_step, peak_flops, device, world_size))
             timings.clear()
+            losses.clear()
 
     if wandb_run is not None:
         wandb_run.finish()
