@@ -343,15 +343,37 @@ def init_distributed(device_arg="auto"):
     return rank, local_rank, world_size, device_arg
 
 
-def autocast_dtype(dtype_arg, device_type):
-    """The dtype matmuls run in under autocast. auto: bfloat16 where the hardware has it, else float32."""
+def autocast_dtype(dtype_arg, device_type, width=768):
+    """The dtype matmuls run in under autocast. auto: bfloat16 on CUDA (float16 where it has none); on CPU, whichever
+    of bfloat16 and float32 multiplies faster at the model's width, measured: CPUs that report bf16 support differ
+    (bf16 was 3x fp32 on an AMD EPYC, and slower than fp32 on an Intel Xeon with AVX512-BF16); float32 elsewhere."""
     if dtype_arg != "auto":
         return getattr(torch, dtype_arg)
     if device_type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if device_type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return torch.bfloat16
-    return torch.float32
+    if device_type != "cpu":
+        return torch.float32
+    bf16, fp32 = matmul_tflops(torch.bfloat16, width), matmul_tflops(torch.float32, width)
+    use_bf16 = torch.tensor(bf16 > fp32)
+    if dist.is_initialized():
+        dist.broadcast(use_bf16, 0)  # every rank takes rank 0's pick: ranks must train in one dtype
+    dtype = torch.bfloat16 if use_bf16 else torch.float32
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"dtype auto: {str(dtype)[6:]} (bf16 matmul {bf16:.2f} TFLOP/s vs fp32 {fp32:.2f})", file=sys.stderr)
+    return dtype
+
+
+def matmul_tflops(dtype, width, reps=3):
+    """CPU matmul speed of the MLP's shape, (rows, width) x (width, 4 * width) at about 2 GFLOP: best of a few."""
+    rows = max(16, 2**28 // width**2)
+    a, b = torch.randn(rows, width, dtype=dtype), torch.randn(width, 4 * width, dtype=dtype)
+    a @ b  # warm-up: the library picks its kernel
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 8 * rows * width**2 / best / 1e12
 
 
 def use_compile(compile_arg, device_type):
@@ -879,7 +901,7 @@ def setup_training(model, args, device, local_rank, world_size):
     scaler (float16 only), the autocast context and the dtype. `model` stays the plain module: checkpoints,
     sampling and HellaSwag use it, eager, at any shape."""
     device_type = device.split(":")[0]
-    dtype = autocast_dtype(args.dtype, device_type)
+    dtype = autocast_dtype(args.dtype, device_type, model.config.n_embd)
     autocast_ctx = autocast_context(device_type, dtype)
     if args.fsdp:
         if world_size == 1:

@@ -278,3 +278,16 @@ def test_float16_trains_with_a_grad_scaler(shards, tmp_path):
     val = val_losses(out)
     assert np.isfinite(list(val.values())).all() and val[6] < val[0]
     assert torch.load(out / "ckpt_0000006.pt", weights_only=True)["scaler"]["scale"] > 0
+
+
+def test_dtype_auto_on_cpu_picks_the_faster_matmul_and_says_so(capsys):
+    import re
+    from train_gpt2 import autocast_dtype
+    dtype = autocast_dtype("auto", "cpu", 64)
+    line = capsys.readouterr().err
+    bf16, fp32 = map(float, re.search(r"bf16 matmul ([\d.]+) TFLOP/s vs fp32 ([\d.]+)", line).groups())
+    assert line.startswith(f"dtype auto: {str(dtype)[6:]} (")
+    assert dtype in (torch.bfloat16, torch.float32)
+    if bf16 != fp32:  # the figures are rounded to 2 decimals
+        assert (dtype == torch.bfloat16) == (bf16 > fp32)
+    assert autocast_dtype("float32", "cpu") == torch.float32 and capsys.readouterr().err == ""  # no probe
