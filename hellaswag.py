@@ -41,8 +41,12 @@ def get_args(argv=None):
     p.add_argument("--limit", type=int, default=0, help="score only the first N examples (0: all)")
     p.add_argument("--batch_size", type=int, default=16, help="examples per forward pass (4 rows each)")
     p.add_argument("--device", default="auto", help="auto, cuda, mps or cpu")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                   help="weights dtype; auto: bfloat16 where supported (float32 for the reference GPT-2 figures)")
+    p.add_argument("--dtype", default="float32", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="dtype of the matmuls, under autocast with float32 weights; float32 gives the published "
+                        "figures; auto: as in train_gpt2.py")
+    p.add_argument("--cast_weights", action="store_true",
+                   help="cast the weights themselves to --dtype (faster; LayerNorm and the residual stream lose "
+                        "precision too, which moves some predictions: see bench/RESULTS.md)")
     args = p.parse_args(argv)
     if (args.ckpt is None) == (args.hf is None):
         die("give a checkpoint with --ckpt, or --hf gpt2 for OpenAI's weights")
@@ -498,11 +502,12 @@ def main(argv=None):
         checkpoint, name = load_checkpoint(args.ckpt)
         model = model_from_checkpoint(checkpoint)
         del checkpoint
-    # inference only: the weights are cast to the dtype once, no autocast
-    model.to(device=device, dtype=autocast_dtype(args.dtype, device_type)).eval()
+    dtype = autocast_dtype(args.dtype, device_type, model.config.n_embd)
+    model.to(device=device, dtype=dtype if args.cast_weights else torch.float32).eval()
+    autocast_ctx = nullcontext() if args.cast_weights else autocast_context(device_type, dtype)
     start = time.perf_counter()
     correct, correct_norm, count = evaluate_hellaswag(model, examples, get_tokenizer(), device, args.batch_size, rank,
-                                                      world_size)
+                                                      world_size, autocast_ctx)
     seconds = time.perf_counter() - start
     if rank == 0:
         print(json.dumps({"model": name, "data": path, "examples": count, "acc": correct / count,

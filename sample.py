@@ -42,8 +42,13 @@ def get_args(argv=None):
     p.add_argument("--no_cache", action="store_true", help="recompute the whole context every token (slow; for checks)")
     p.add_argument("--chat", action="store_true", help="interactive multi-turn chat with a mid_train.py checkpoint")
     p.add_argument("--device", default="auto", help="auto, cuda, mps or cpu")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                   help="weights dtype; auto: bfloat16 where supported")
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU threads (0: OMP_NUM_THREADS where set, else 1): decoding a token at a time, many "
+                        "threads stall whenever another process holds a core (bench/RESULTS.md)")
+    p.add_argument("--dtype", default="float32", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="dtype of the matmuls, under autocast with float32 weights; auto: as in train_gpt2.py")
+    p.add_argument("--cast_weights", action="store_true",
+                   help="cast the weights themselves to --dtype (faster on GPUs, less accurate)")
     args = p.parse_args(argv)
     if (args.ckpt is None) == (args.hf is None):
         die("give a checkpoint with --ckpt, or --hf gpt2 for OpenAI's weights")
@@ -494,7 +499,10 @@ def main(argv=None):
     args = get_args(argv)
     _, _, _, device = init_distributed(args.device)
     device_type = device.split(":")[0]
-    dtype = autocast_dtype(args.dtype, device_type)  # inference only: the weights are cast once, no autocast
+    if device_type == "cpu":  # many threads on small single-token matmuls stall whenever another process has a core
+        threads = args.threads or (torch.get_num_threads() if os.environ.get("OMP_NUM_THREADS") else 1)
+        torch.set_num_threads(threads)
+        print(f"cpu threads: {torch.get_num_threads()} (--threads N to change)", file=sys.stderr)
     if args.hf:
         model, kind = GPT.from_pretrained(args.hf), "base"
     else:
@@ -502,14 +510,16 @@ def main(argv=None):
         model, kind = model_from_checkpoint(checkpoint), checkpoint.get("kind", "base")
         print(f"loaded {path} ({kind}, step {checkpoint.get('step')})", file=sys.stderr)
         del checkpoint
-    model.to(device=device, dtype=dtype).eval()
+    dtype = autocast_dtype(args.dtype, device_type, model.config.n_embd)
+    model.to(device=device, dtype=dtype if args.cast_weights else torch.float32).eval()
+    autocast_ctx = nullcontext() if args.cast_weights else autocast_context(device_type, dtype)
     enc = get_chat_tokenizer() if kind == "mid" else get_tokenizer()
     generator = torch.Generator(device).manual_seed(args.seed)
 
     def generate_from(ids):
         idx = torch.tensor([ids], dtype=torch.long, device=device)
         return generate(model, idx, args.max_new_tokens, enc.n_vocab, args.temperature, args.top_k or None,
-                        args.top_p, generator, use_cache=not args.no_cache)
+                        args.top_p, generator, use_cache=not args.no_cache, autocast_ctx=autocast_ctx)
 
     if args.chat:
         if kind != "mid":
