@@ -118,11 +118,11 @@ class HelpFormatter(argparse.HelpFormatter):
 
 
 # ---- shared: progress ----
-def progress(iterable, desc, total=None, enabled=True):
+def progress(iterable, desc, enabled=True):
     """A tqdm bar on stderr for a loop that takes a while (an eval): shown after 2 s, and never when stderr is not
     a terminal (logs, CI), as prepare_fineweb.py does."""
     from tqdm import tqdm
-    return tqdm(iterable, desc=desc, total=total, leave=False, delay=2, disable=None if enabled else True)
+    return tqdm(iterable, desc=desc, leave=False, delay=2, disable=None if enabled else True)
 # ---- end shared: progress ----
 
 
@@ -359,13 +359,13 @@ def autocast_dtype(dtype_arg, device_type, width=768):
         dist.broadcast(use_bf16, 0)  # every rank takes rank 0's pick: ranks must train in one dtype
     dtype = torch.bfloat16 if use_bf16 else torch.float32
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"dtype auto: {str(dtype)[6:]} (bf16 matmul {bf16:.2f} TFLOP/s vs fp32 {fp32:.2f})", file=sys.stderr)
+        print(f"dtype auto: {str(dtype)[6:]} (bf16 matmul {bf16:.3f} TFLOP/s vs fp32 {fp32:.3f})", file=sys.stderr)
     return dtype
 
 
 def matmul_tflops(dtype, width, reps=3):
-    """CPU matmul speed of the MLP's shape, (rows, width) x (width, 4 * width) at about 2 GFLOP: best of a few."""
-    rows = max(16, 2**28 // width**2)
+    """CPU matmul speed of the MLP's shape, (rows, width) x (width, 4 * width) at about 1 GFLOP: best of a few."""
+    rows = max(16, 2**27 // width**2)
     a, b = torch.randn(rows, width, dtype=dtype), torch.randn(width, 4 * width, dtype=dtype)
     a @ b  # warm-up: the library picks its kernel
     best = float("inf")

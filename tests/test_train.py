@@ -288,6 +288,6 @@ def test_dtype_auto_on_cpu_picks_the_faster_matmul_and_says_so(capsys):
     bf16, fp32 = map(float, re.search(r"bf16 matmul ([\d.]+) TFLOP/s vs fp32 ([\d.]+)", line).groups())
     assert line.startswith(f"dtype auto: {str(dtype)[6:]} (")
     assert dtype in (torch.bfloat16, torch.float32)
-    if bf16 != fp32:  # the figures are rounded to 2 decimals
+    if bf16 != fp32:  # the figures are rounded to 3 decimals
         assert (dtype == torch.bfloat16) == (bf16 > fp32)
     assert autocast_dtype("float32", "cpu") == torch.float32 and capsys.readouterr().err == ""  # no probe
