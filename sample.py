@@ -499,10 +499,6 @@ def main(argv=None):
     args = get_args(argv)
     _, _, _, device = init_distributed(args.device)
     device_type = device.split(":")[0]
-    if device_type == "cpu":  # many threads on small single-token matmuls stall whenever another process has a core
-        threads = args.threads or (torch.get_num_threads() if os.environ.get("OMP_NUM_THREADS") else 1)
-        torch.set_num_threads(threads)
-        print(f"cpu threads: {torch.get_num_threads()} (--threads N to change)", file=sys.stderr)
     if args.hf:
         model, kind = GPT.from_pretrained(args.hf), "base"
     else:
@@ -510,6 +506,10 @@ def main(argv=None):
         model, kind = model_from_checkpoint(checkpoint), checkpoint.get("kind", "base")
         print(f"loaded {path} ({kind}, step {checkpoint.get('step')})", file=sys.stderr)
         del checkpoint
+    if device_type == "cpu":  # many threads on small single-token matmuls stall whenever another process has a core
+        threads = args.threads or (torch.get_num_threads() if os.environ.get("OMP_NUM_THREADS") else 1)
+        torch.set_num_threads(threads)
+        print(f"cpu threads: {torch.get_num_threads()} (--threads N to change)", file=sys.stderr)
     dtype = autocast_dtype(args.dtype, device_type, model.config.n_embd)
     model.to(device=device, dtype=dtype if args.cast_weights else torch.float32).eval()
     autocast_ctx = nullcontext() if args.cast_weights else autocast_context(device_type, dtype)
