@@ -48,7 +48,7 @@ def get_args(argv=None):
     p.add_argument("--dtype", default="float32", choices=["auto", "bfloat16", "float16", "float32"],
                    help="dtype of the matmuls, under autocast with float32 weights; auto: as in train_gpt2.py")
     p.add_argument("--cast_weights", action="store_true",
-                   help="cast the weights themselves to --dtype (faster on GPUs, less accurate)")
+                   help="cast the weights themselves to --dtype (faster, less accurate)")
     args = p.parse_args(argv)
     if (args.ckpt is None) == (args.hf is None):
         die("give a checkpoint with --ckpt, or --hf gpt2 for OpenAI's weights")
