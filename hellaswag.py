@@ -30,7 +30,8 @@ HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/
 
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description="HellaSwag accuracy of a GPT-2 checkpoint or of OpenAI's GPT-2.")
+    p = argparse.ArgumentParser(description="HellaSwag accuracy of a GPT-2 checkpoint or of OpenAI's GPT-2.",
+                                formatter_class=HelpFormatter)
     p.error = lambda message: die(message)
     p.add_argument("--ckpt", help="checkpoint of train_gpt2.py or mid_train.py (a file or an out_dir)")
     p.add_argument("--hf", choices=list(MODEL_SIZES), help="OpenAI's GPT-2 weights through transformers instead")
@@ -40,8 +41,12 @@ def get_args(argv=None):
     p.add_argument("--limit", type=int, default=0, help="score only the first N examples (0: all)")
     p.add_argument("--batch_size", type=int, default=16, help="examples per forward pass (4 rows each)")
     p.add_argument("--device", default="auto", help="auto, cuda, mps or cpu")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                   help="weights dtype; auto: bfloat16 where supported (float32 for the reference GPT-2 figures)")
+    p.add_argument("--dtype", default="float32", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="dtype of the matmuls, under autocast with float32 weights; float32 gives the published "
+                        "figures; auto: as in train_gpt2.py")
+    p.add_argument("--cast_weights", action="store_true",
+                   help="cast the weights themselves to --dtype (faster; LayerNorm and the residual stream lose "
+                        "precision too, which moves some predictions: see bench/RESULTS.md)")
     args = p.parse_args(argv)
     if (args.ckpt is None) == (args.hf is None):
         die("give a checkpoint with --ckpt, or --hf gpt2 for OpenAI's weights")
@@ -53,7 +58,25 @@ def die(message):
     """Bad input: one line naming the problem and the fix, exit code 2, no traceback."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """--help shows every flag's default, except where there is none (None, a switch's False) or the help says it."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in action.help:
+            return action.help
+        return action.help + (" (default: %(default)r)" if isinstance(action.default, str) else " (default: %(default)s)")
 # ---- end shared: cli ----
+
+
+# ---- shared: progress ----
+def progress(iterable, desc, enabled=True):
+    """A tqdm bar on stderr for a loop that takes a while (an eval): shown after 2 s, and never when stderr is not
+    a terminal (logs, CI), as prepare_fineweb.py does."""
+    from tqdm import tqdm
+    return tqdm(iterable, desc=desc, leave=False, delay=2, disable=None if enabled else True)
+# ---- end shared: progress ----
 
 
 # ---- shared: tokenizer ----
@@ -275,15 +298,37 @@ def init_distributed(device_arg="auto"):
     return rank, local_rank, world_size, device_arg
 
 
-def autocast_dtype(dtype_arg, device_type):
-    """The dtype matmuls run in under autocast. auto: bfloat16 where the hardware has it, else float32."""
+def autocast_dtype(dtype_arg, device_type, width=768):
+    """The dtype matmuls run in under autocast. auto: bfloat16 on CUDA (float16 where it has none); on CPU, whichever
+    of bfloat16 and float32 multiplies faster at the model's width, measured: CPUs that report bf16 support differ
+    (bf16 was 3x fp32 on an AMD EPYC, and slower than fp32 on an Intel Xeon with AVX512-BF16); float32 elsewhere."""
     if dtype_arg != "auto":
         return getattr(torch, dtype_arg)
     if device_type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if device_type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return torch.bfloat16
-    return torch.float32
+    if device_type != "cpu":
+        return torch.float32
+    bf16, fp32 = matmul_tflops(torch.bfloat16, width), matmul_tflops(torch.float32, width)
+    use_bf16 = torch.tensor(bf16 > fp32)
+    if dist.is_initialized():
+        dist.broadcast(use_bf16, 0)  # every rank takes rank 0's pick: ranks must train in one dtype
+    dtype = torch.bfloat16 if use_bf16 else torch.float32
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"dtype auto: {str(dtype)[6:]} (bf16 matmul {bf16:.3f} TFLOP/s vs fp32 {fp32:.3f})", file=sys.stderr)
+    return dtype
+
+
+def matmul_tflops(dtype, width, reps=3):
+    """CPU matmul speed of the MLP's shape, (rows, width) x (width, 4 * width) at about 1 GFLOP: best of a few."""
+    rows = max(16, 2**27 // width**2)
+    a, b = torch.randn(rows, width, dtype=dtype), torch.randn(width, 4 * width, dtype=dtype)
+    a @ b  # warm-up: the library picks its kernel
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 8 * rows * width**2 / best / 1e12
 
 
 def use_compile(compile_arg, device_type):
@@ -406,7 +451,7 @@ def evaluate_hellaswag(model, examples, enc, device, batch_size=8, rank=0, world
     rendered = [render_hellaswag(ex, enc) for ex in examples[rank::world_size]]
     rendered.sort(key=lambda r: max(map(len, r[0])))  # examples of similar length batch together: little padding
     correct = correct_norm = 0
-    for i in range(0, len(rendered), batch_size):
+    for i in progress(range(0, len(rendered), batch_size), "hellaswag", enabled=rank == 0):
         batch = rendered[i: i + batch_size]
         pred, pred_norm = score_hellaswag(model, batch, device, n_vocab, autocast_ctx)
         labels = [r[2] for r in batch]
@@ -459,11 +504,12 @@ def main(argv=None):
         checkpoint, name = load_checkpoint(args.ckpt)
         model = model_from_checkpoint(checkpoint)
         del checkpoint
-    # inference only: the weights are cast to the dtype once, no autocast
-    model.to(device=device, dtype=autocast_dtype(args.dtype, device_type)).eval()
+    dtype = autocast_dtype(args.dtype, device_type, model.config.n_embd)
+    model.to(device=device, dtype=dtype if args.cast_weights else torch.float32).eval()
+    autocast_ctx = nullcontext() if args.cast_weights else autocast_context(device_type, dtype)
     start = time.perf_counter()
     correct, correct_norm, count = evaluate_hellaswag(model, examples, get_tokenizer(), device, args.batch_size, rank,
-                                                      world_size)
+                                                      world_size, autocast_ctx)
     seconds = time.perf_counter() - start
     if rank == 0:
         print(json.dumps({"model": name, "data": path, "examples": count, "acc": correct / count,

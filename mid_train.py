@@ -45,7 +45,8 @@ HUB_SOURCES = {  # what `KIND:hub` loads through `datasets`
 
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description="Midtrain a GPT-2 checkpoint on conversations (chat format) and tasks.")
+    p = argparse.ArgumentParser(description="Midtrain a GPT-2 checkpoint on conversations (chat format) and tasks.",
+                                formatter_class=HelpFormatter)
     p.error = lambda message: die(message)
     p.add_argument("--init_ckpt", help="train_gpt2.py checkpoint to start from (a file or an out_dir)")
     p.add_argument("--init_from", choices=list(MODEL_SIZES), help="start from OpenAI's weights instead (transformers)")
@@ -101,7 +102,25 @@ def die(message):
     """Bad input: one line naming the problem and the fix, exit code 2, no traceback."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """--help shows every flag's default, except where there is none (None, a switch's False) or the help says it."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in action.help:
+            return action.help
+        return action.help + (" (default: %(default)r)" if isinstance(action.default, str) else " (default: %(default)s)")
 # ---- end shared: cli ----
+
+
+# ---- shared: progress ----
+def progress(iterable, desc, enabled=True):
+    """A tqdm bar on stderr for a loop that takes a while (an eval): shown after 2 s, and never when stderr is not
+    a terminal (logs, CI), as prepare_fineweb.py does."""
+    from tqdm import tqdm
+    return tqdm(iterable, desc=desc, leave=False, delay=2, disable=None if enabled else True)
+# ---- end shared: progress ----
 
 
 # ---- shared: tokenizer ----
@@ -353,15 +372,37 @@ def init_distributed(device_arg="auto"):
     return rank, local_rank, world_size, device_arg
 
 
-def autocast_dtype(dtype_arg, device_type):
-    """The dtype matmuls run in under autocast. auto: bfloat16 where the hardware has it, else float32."""
+def autocast_dtype(dtype_arg, device_type, width=768):
+    """The dtype matmuls run in under autocast. auto: bfloat16 on CUDA (float16 where it has none); on CPU, whichever
+    of bfloat16 and float32 multiplies faster at the model's width, measured: CPUs that report bf16 support differ
+    (bf16 was 3x fp32 on an AMD EPYC, and slower than fp32 on an Intel Xeon with AVX512-BF16); float32 elsewhere."""
     if dtype_arg != "auto":
         return getattr(torch, dtype_arg)
     if device_type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if device_type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return torch.bfloat16
-    return torch.float32
+    if device_type != "cpu":
+        return torch.float32
+    bf16, fp32 = matmul_tflops(torch.bfloat16, width), matmul_tflops(torch.float32, width)
+    use_bf16 = torch.tensor(bf16 > fp32)
+    if dist.is_initialized():
+        dist.broadcast(use_bf16, 0)  # every rank takes rank 0's pick: ranks must train in one dtype
+    dtype = torch.bfloat16 if use_bf16 else torch.float32
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"dtype auto: {str(dtype)[6:]} (bf16 matmul {bf16:.3f} TFLOP/s vs fp32 {fp32:.3f})", file=sys.stderr)
+    return dtype
+
+
+def matmul_tflops(dtype, width, reps=3):
+    """CPU matmul speed of the MLP's shape, (rows, width) x (width, 4 * width) at about 1 GFLOP: best of a few."""
+    rows = max(16, 2**27 // width**2)
+    a, b = torch.randn(rows, width, dtype=dtype), torch.randn(width, 4 * width, dtype=dtype)
+    a @ b  # warm-up: the library picks its kernel
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 8 * rows * width**2 / best / 1e12
 
 
 def use_compile(compile_arg, device_type):
@@ -692,11 +733,28 @@ def peak_memory_gib(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # the process's peak RSS (Linux: KiB)
 
 
-def step_record(step, loss, lr, grad_norm, timings, interval_s, tokens_per_step, flops_per_step, peak_flops, device,
-                world_size):
-    """The step's log record and line. Times are averaged over the steps since the last line; tokens/s is over
-    all ranks in the slowest rank's time, MFU over all devices; peak memory is per rank. A collective."""
+def duration(seconds):
+    seconds = int(seconds)
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+def short_count(n):
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
+
+
+def step_record(step, max_steps, losses, lr, timings, t_interval, eta_from, tokens_per_step, flops_per_step, peak_flops,
+                device, world_size):
+    """The step's log record and line. losses: (loss, grad norm) device tensors of each step since the last line,
+    read here in one host sync: the line has their mean, and the last step's loss. Times are averaged over the
+    same steps; tokens/s is over all ranks in the slowest rank's time, MFU over all devices; peak memory is per
+    rank. eta_from: (step, time) the ETA counts from, after the first step (which compiles). A collective."""
     n = len(timings)
+    values = torch.stack([torch.stack(pair) for pair in losses]).tolist()  # note: this is a CPU-GPU sync point
+    loss, grad_norm = (sum(column) / n for column in zip(*values))
+    now = time.perf_counter()
+    interval_s = now - t_interval
     stats = [torch.tensor([interval_s, peak_memory_gib(device)], device=device) for _ in range(world_size)]
     if world_size > 1:
         dist.all_gather(stats, stats[0].clone())
@@ -705,15 +763,20 @@ def step_record(step, loss, lr, grad_norm, timings, interval_s, tokens_per_step,
     data_ms = sum(elapsed_ms(a, b) for marks, _ in timings for a, b, _ in marks) / n
     fb_ms = sum(elapsed_ms(b, c) for marks, _ in timings for _, b, c in marks) / n
     opt_ms = sum(elapsed_ms(marks[-1][2], end) for marks, end in timings) / n
-    record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "ms": step_s * 1000,
-              "tok_per_s": tokens_per_step / step_s, "data_ms": data_ms, "fwd_bwd_ms": fb_ms, "opt_ms": opt_ms,
-              "peak_mem_gib": memory}
-    line = (f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | norm {grad_norm:.4f} | {step_s * 1000:.1f} ms "
-            f"(data {data_ms:.1f}, fwd+bwd {fb_ms:.1f}, opt {opt_ms:.1f}) | {record['tok_per_s']:,.0f} tok/s "
-            f"| mem {max(memory):.2f} GiB/rank")
+    tokens = (step + 1) * tokens_per_step  # consumed since step 0, over all ranks
+    record = {"step": step, "loss": loss, "loss_last": values[-1][0], "lr": lr, "grad_norm": grad_norm,
+              "tokens": tokens, "ms": step_s * 1000, "tok_per_s": tokens_per_step / step_s, "data_ms": data_ms,
+              "fwd_bwd_ms": fb_ms, "opt_ms": opt_ms, "peak_mem_gib": memory}
+    last = f" (last {values[-1][0]:.6f})" if n > 1 else ""
+    line = (f"step {step:5d}/{max_steps} | loss {loss:.6f}{last} | lr {lr:.4e} | norm {grad_norm:.4f} | "
+            f"{step_s * 1000:.1f} ms (data {data_ms:.1f}, fwd+bwd {fb_ms:.1f}, opt {opt_ms:.1f}) | "
+            f"{record['tok_per_s']:,.0f} tok/s | {short_count(tokens)} tokens | mem {max(memory):.2f} GiB/rank")
     if peak_flops:
         record["mfu"] = flops_per_step / step_s / (peak_flops * world_size)
         line += f" | MFU {record['mfu'] * 100:.1f}%"
+    if step > eta_from[0]:  # the mean wall time of a step since the first one, evals and checkpoints included
+        record["eta_s"] = (now - eta_from[1]) / (step - eta_from[0]) * (max_steps - 1 - step)
+        line += f" | eta {duration(record['eta_s'])}"
     return record, line
 
 
@@ -752,7 +815,7 @@ def setup_training(model, args, device, local_rank, world_size):
     autocast context and the dtype. `model` stays the plain module: checkpoints, sampling and HellaSwag use it,
     eager, at any shape."""
     device_type = device.split(":")[0]
-    dtype = autocast_dtype(args.dtype, device_type)
+    dtype = autocast_dtype(args.dtype, device_type, model.config.n_embd)
     autocast_ctx = autocast_context(device_type, dtype)
     if args.fsdp:
         if world_size == 1:
@@ -1140,6 +1203,8 @@ def main(argv=None):
         print(f"{raw_model.num_params():,} parameters, {parameter_mib(raw_model):.1f} MiB of them per rank "
               f"({'FSDP' if args.fsdp else 'DDP' if world_size > 1 else 'one process'}) | {device} "
               f"{str(dtype).replace('torch.', '')} | {args.max_steps} steps of {total_batch_size:,} tokens = {grad_accum_steps} x {B} x {T} x {world_size}")
+        if model is not raw_model:
+            print("compiling the model (the first step takes a minute or more)", flush=True)
     # FSDP needs every rank to run as many val forwards as the others: pad the val rows to a whole micro-batch on
     # every rank, with rows that have no target (they add nothing to the loss or its token count)
     pad = -len(val_tokens) % (B * world_size)
@@ -1151,7 +1216,7 @@ def main(argv=None):
         """Loss per learned token and bits per byte over the whole val split; rows split across ranks."""
         model.eval()
         sums = torch.zeros(4, device=device)  # loss in nats, learned tokens; loss over tokens with bytes, their bytes
-        for i, start in enumerate(range(rank * B, len(val_tokens), B * world_size)):
+        for i, start in enumerate(progress(range(rank * B, len(val_tokens), B * world_size), "val loss", enabled=master)):
             if i % 16 == 15 and i < len(val_tokens) // (B * world_size) and stop_agreed(device, world_size):
                 model.train()  # a stop signal: every rank is here at the same batch (one all ranks have); go save
                 return None
@@ -1183,6 +1248,7 @@ def main(argv=None):
     stop_reply = {enc.encode_single_token("<|assistant_end|>"), EOT_TOKEN}
     timings = []
     stop = False  # agreed by all ranks
+    losses = []  # (loss, grad norm) on the device per step since the last log line
 
     for step in range(start_step, args.max_steps + 1):
         last_step = step == args.max_steps
@@ -1210,7 +1276,7 @@ def main(argv=None):
                         break
                 reply = list(itertools.takewhile(lambda t: t not in stop_reply, reply))
                 if master:
-                    print(f"sample | user: {args.prompt!r} | assistant: {enc.decode(reply)!r}", flush=True)
+                    print(f"---- sample ----\nuser: {args.prompt}\nassistant: {enc.decode(reply)}", flush=True)
                 raw_model.train()
         if step > start_step and (step % args.save_every == 0 or last_step):
             save(step)
@@ -1226,12 +1292,15 @@ def main(argv=None):
                                                   grad_accum_steps, step_tokens, args.grad_clip, device, autocast_ctx)
         timings.append(marks)
         stop = agree_to_stop(loss_accum, world_size)
+        losses.append((loss_accum, grad_norm))
+        if step == start_step:
+            eta_from = (step, time.perf_counter())
         if step % args.log_every == 0 or step == args.max_steps - 1:
             lr = optimizers[0].param_groups[0]["lr"]  # the lr AdamW stepped with
-            log(*step_record(step, loss_accum.item(), lr, grad_norm.item(), timings,
-                             time.perf_counter() - t_interval, total_batch_size, flops_per_step, peak_flops, device,
-                             world_size))
+            log(*step_record(step, args.max_steps, losses, lr, timings, t_interval, eta_from,
+                             total_batch_size, flops_per_step, peak_flops, device, world_size))
             timings.clear()
+            losses.clear()
 
     if wandb_run is not None:
         wandb_run.finish()

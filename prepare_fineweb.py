@@ -31,7 +31,8 @@ SHARD_MAGIC, SHARD_VERSION = 20240520, 1
 
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description="Tokenize FineWeb(-Edu) or local text into llm.c .bin token shards.")
+    p = argparse.ArgumentParser(description="Tokenize FineWeb(-Edu) or local text into llm.c .bin token shards.",
+                                formatter_class=HelpFormatter)
     p.error = lambda message: die(message)
     p.add_argument("--dataset", default="fineweb-edu", choices=list(HUB_DATASETS), help="hub dataset to stream")
     p.add_argument("--sample", default="10BT", choices=["10BT", "100BT", "350BT"], help="which sample of it")
@@ -64,6 +65,15 @@ def die(message):
     """Bad input: one line naming the problem and the fix, exit code 2, no traceback."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """--help shows every flag's default, except where there is none (None, a switch's False) or the help says it."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in action.help:
+            return action.help
+        return action.help + (" (default: %(default)r)" if isinstance(action.default, str) else " (default: %(default)s)")
 # ---- end shared: cli ----
 
 

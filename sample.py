@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description="Sample from a GPT-2 checkpoint, or chat with a midtrained one.")
+    p = argparse.ArgumentParser(description="Sample from a GPT-2 checkpoint, or chat with a midtrained one.",
+                                formatter_class=HelpFormatter)
     p.error = lambda message: die(message)
     p.add_argument("--ckpt", help="checkpoint file, or an out_dir (its newest checkpoint)")
     p.add_argument("--hf", choices=list(MODEL_SIZES), help="OpenAI's GPT-2 weights through transformers instead")
@@ -41,8 +42,13 @@ def get_args(argv=None):
     p.add_argument("--no_cache", action="store_true", help="recompute the whole context every token (slow; for checks)")
     p.add_argument("--chat", action="store_true", help="interactive multi-turn chat with a mid_train.py checkpoint")
     p.add_argument("--device", default="auto", help="auto, cuda, mps or cpu")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                   help="weights dtype; auto: bfloat16 where supported")
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU threads (0: OMP_NUM_THREADS where set, else 1): decoding a token at a time, many "
+                        "threads stall whenever another process holds a core (bench/RESULTS.md)")
+    p.add_argument("--dtype", default="float32", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="dtype of the matmuls, under autocast with float32 weights; auto: as in train_gpt2.py")
+    p.add_argument("--cast_weights", action="store_true",
+                   help="cast the weights themselves to --dtype (faster, less accurate)")
     args = p.parse_args(argv)
     if (args.ckpt is None) == (args.hf is None):
         die("give a checkpoint with --ckpt, or --hf gpt2 for OpenAI's weights")
@@ -54,6 +60,15 @@ def die(message):
     """Bad input: one line naming the problem and the fix, exit code 2, no traceback."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """--help shows every flag's default, except where there is none (None, a switch's False) or the help says it."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in action.help:
+            return action.help
+        return action.help + (" (default: %(default)r)" if isinstance(action.default, str) else " (default: %(default)s)")
 # ---- end shared: cli ----
 
 
@@ -306,15 +321,37 @@ def init_distributed(device_arg="auto"):
     return rank, local_rank, world_size, device_arg
 
 
-def autocast_dtype(dtype_arg, device_type):
-    """The dtype matmuls run in under autocast. auto: bfloat16 where the hardware has it, else float32."""
+def autocast_dtype(dtype_arg, device_type, width=768):
+    """The dtype matmuls run in under autocast. auto: bfloat16 on CUDA (float16 where it has none); on CPU, whichever
+    of bfloat16 and float32 multiplies faster at the model's width, measured: CPUs that report bf16 support differ
+    (bf16 was 3x fp32 on an AMD EPYC, and slower than fp32 on an Intel Xeon with AVX512-BF16); float32 elsewhere."""
     if dtype_arg != "auto":
         return getattr(torch, dtype_arg)
     if device_type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if device_type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return torch.bfloat16
-    return torch.float32
+    if device_type != "cpu":
+        return torch.float32
+    bf16, fp32 = matmul_tflops(torch.bfloat16, width), matmul_tflops(torch.float32, width)
+    use_bf16 = torch.tensor(bf16 > fp32)
+    if dist.is_initialized():
+        dist.broadcast(use_bf16, 0)  # every rank takes rank 0's pick: ranks must train in one dtype
+    dtype = torch.bfloat16 if use_bf16 else torch.float32
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"dtype auto: {str(dtype)[6:]} (bf16 matmul {bf16:.3f} TFLOP/s vs fp32 {fp32:.3f})", file=sys.stderr)
+    return dtype
+
+
+def matmul_tflops(dtype, width, reps=3):
+    """CPU matmul speed of the MLP's shape, (rows, width) x (width, 4 * width) at about 1 GFLOP: best of a few."""
+    rows = max(16, 2**27 // width**2)
+    a, b = torch.randn(rows, width, dtype=dtype), torch.randn(width, 4 * width, dtype=dtype)
+    a @ b  # warm-up: the library picks its kernel
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 8 * rows * width**2 / best / 1e12
 
 
 def use_compile(compile_arg, device_type):
@@ -464,7 +501,6 @@ def main(argv=None):
     args = get_args(argv)
     _, _, _, device = init_distributed(args.device)
     device_type = device.split(":")[0]
-    dtype = autocast_dtype(args.dtype, device_type)  # inference only: the weights are cast once, no autocast
     if args.hf:
         model, kind = GPT.from_pretrained(args.hf), "base"
     else:
@@ -472,14 +508,20 @@ def main(argv=None):
         model, kind = model_from_checkpoint(checkpoint), checkpoint.get("kind", "base")
         print(f"loaded {path} ({kind}, step {checkpoint.get('step')})", file=sys.stderr)
         del checkpoint
-    model.to(device=device, dtype=dtype).eval()
+    if device_type == "cpu":  # many threads on small single-token matmuls stall whenever another process has a core
+        threads = args.threads or (torch.get_num_threads() if os.environ.get("OMP_NUM_THREADS") else 1)
+        torch.set_num_threads(threads)
+        print(f"cpu threads: {torch.get_num_threads()} (--threads N to change)", file=sys.stderr)
+    dtype = autocast_dtype(args.dtype, device_type, model.config.n_embd)
+    model.to(device=device, dtype=dtype if args.cast_weights else torch.float32).eval()
+    autocast_ctx = nullcontext() if args.cast_weights else autocast_context(device_type, dtype)
     enc = get_chat_tokenizer() if kind == "mid" else get_tokenizer()
     generator = torch.Generator(device).manual_seed(args.seed)
 
     def generate_from(ids):
         idx = torch.tensor([ids], dtype=torch.long, device=device)
         return generate(model, idx, args.max_new_tokens, enc.n_vocab, args.temperature, args.top_k or None,
-                        args.top_p, generator, use_cache=not args.no_cache)
+                        args.top_p, generator, use_cache=not args.no_cache, autocast_ctx=autocast_ctx)
 
     if args.chat:
         if kind != "mid":

@@ -40,7 +40,8 @@ DEMO_PRESET = dict(  # a small GPT that trains on data/demo in about 7 minutes o
 
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description="Pretrain GPT-2 on token shards (llm.c .bin or uint16 .npy).")
+    p = argparse.ArgumentParser(description="Pretrain GPT-2 on token shards (llm.c .bin or uint16 .npy).",
+                                formatter_class=HelpFormatter)
     p.error = lambda message: die(message)  # one-line errors, exit code 2
     # model
     p.add_argument("--model", default="gpt2", choices=list(MODEL_SIZES), help="model size to train from scratch")
@@ -110,7 +111,25 @@ def die(message):
     """Bad input: one line naming the problem and the fix, exit code 2, no traceback."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """--help shows every flag's default, except where there is none (None, a switch's False) or the help says it."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in action.help:
+            return action.help
+        return action.help + (" (default: %(default)r)" if isinstance(action.default, str) else " (default: %(default)s)")
 # ---- end shared: cli ----
+
+
+# ---- shared: progress ----
+def progress(iterable, desc, enabled=True):
+    """A tqdm bar on stderr for a loop that takes a while (an eval): shown after 2 s, and never when stderr is not
+    a terminal (logs, CI), as prepare_fineweb.py does."""
+    from tqdm import tqdm
+    return tqdm(iterable, desc=desc, leave=False, delay=2, disable=None if enabled else True)
+# ---- end shared: progress ----
 
 
 # ---- shared: tokenizer ----
@@ -332,15 +351,37 @@ def init_distributed(device_arg="auto"):
     return rank, local_rank, world_size, device_arg
 
 
-def autocast_dtype(dtype_arg, device_type):
-    """The dtype matmuls run in under autocast. auto: bfloat16 where the hardware has it, else float32."""
+def autocast_dtype(dtype_arg, device_type, width=768):
+    """The dtype matmuls run in under autocast. auto: bfloat16 on CUDA (float16 where it has none); on CPU, whichever
+    of bfloat16 and float32 multiplies faster at the model's width, measured: CPUs that report bf16 support differ
+    (bf16 was 3x fp32 on an AMD EPYC, and slower than fp32 on an Intel Xeon with AVX512-BF16); float32 elsewhere."""
     if dtype_arg != "auto":
         return getattr(torch, dtype_arg)
     if device_type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if device_type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return torch.bfloat16
-    return torch.float32
+    if device_type != "cpu":
+        return torch.float32
+    bf16, fp32 = matmul_tflops(torch.bfloat16, width), matmul_tflops(torch.float32, width)
+    use_bf16 = torch.tensor(bf16 > fp32)
+    if dist.is_initialized():
+        dist.broadcast(use_bf16, 0)  # every rank takes rank 0's pick: ranks must train in one dtype
+    dtype = torch.bfloat16 if use_bf16 else torch.float32
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"dtype auto: {str(dtype)[6:]} (bf16 matmul {bf16:.3f} TFLOP/s vs fp32 {fp32:.3f})", file=sys.stderr)
+    return dtype
+
+
+def matmul_tflops(dtype, width, reps=3):
+    """CPU matmul speed of the MLP's shape, (rows, width) x (width, 4 * width) at about 1 GFLOP: best of a few."""
+    rows = max(16, 2**27 // width**2)
+    a, b = torch.randn(rows, width, dtype=dtype), torch.randn(width, 4 * width, dtype=dtype)
+    a @ b  # warm-up: the library picks its kernel
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 8 * rows * width**2 / best / 1e12
 
 
 def use_compile(compile_arg, device_type):
@@ -510,7 +551,7 @@ def evaluate_hellaswag(model, examples, enc, device, batch_size=8, rank=0, world
     rendered = [render_hellaswag(ex, enc) for ex in examples[rank::world_size]]
     rendered.sort(key=lambda r: max(map(len, r[0])))  # examples of similar length batch together: little padding
     correct = correct_norm = 0
-    for i in range(0, len(rendered), batch_size):
+    for i in progress(range(0, len(rendered), batch_size), "hellaswag", enabled=rank == 0):
         batch = rendered[i: i + batch_size]
         pred, pred_norm = score_hellaswag(model, batch, device, n_vocab, autocast_ctx)
         labels = [r[2] for r in batch]
@@ -875,11 +916,28 @@ def peak_memory_gib(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # the process's peak RSS (Linux: KiB)
 
 
-def step_record(step, loss, lr, grad_norm, timings, interval_s, tokens_per_step, flops_per_step, peak_flops, device,
-                world_size):
-    """The step's log record and line. Times are averaged over the steps since the last line; tokens/s is over
-    all ranks in the slowest rank's time, MFU over all devices; peak memory is per rank. A collective."""
+def duration(seconds):
+    seconds = int(seconds)
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+def short_count(n):
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
+
+
+def step_record(step, max_steps, losses, lr, timings, t_interval, eta_from, tokens_per_step, flops_per_step, peak_flops,
+                device, world_size):
+    """The step's log record and line. losses: (loss, grad norm) device tensors of each step since the last line,
+    read here in one host sync: the line has their mean, and the last step's loss. Times are averaged over the
+    same steps; tokens/s is over all ranks in the slowest rank's time, MFU over all devices; peak memory is per
+    rank. eta_from: (step, time) the ETA counts from, after the first step (which compiles). A collective."""
     n = len(timings)
+    values = torch.stack([torch.stack(pair) for pair in losses]).tolist()  # note: this is a CPU-GPU sync point
+    loss, grad_norm = (sum(column) / n for column in zip(*values))
+    now = time.perf_counter()
+    interval_s = now - t_interval
     stats = [torch.tensor([interval_s, peak_memory_gib(device)], device=device) for _ in range(world_size)]
     if world_size > 1:
         dist.all_gather(stats, stats[0].clone())
@@ -888,15 +946,20 @@ def step_record(step, loss, lr, grad_norm, timings, interval_s, tokens_per_step,
     data_ms = sum(elapsed_ms(a, b) for marks, _ in timings for a, b, _ in marks) / n
     fb_ms = sum(elapsed_ms(b, c) for marks, _ in timings for _, b, c in marks) / n
     opt_ms = sum(elapsed_ms(marks[-1][2], end) for marks, end in timings) / n
-    record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "ms": step_s * 1000,
-              "tok_per_s": tokens_per_step / step_s, "data_ms": data_ms, "fwd_bwd_ms": fb_ms, "opt_ms": opt_ms,
-              "peak_mem_gib": memory}
-    line = (f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | norm {grad_norm:.4f} | {step_s * 1000:.1f} ms "
-            f"(data {data_ms:.1f}, fwd+bwd {fb_ms:.1f}, opt {opt_ms:.1f}) | {record['tok_per_s']:,.0f} tok/s "
-            f"| mem {max(memory):.2f} GiB/rank")
+    tokens = (step + 1) * tokens_per_step  # consumed since step 0, over all ranks
+    record = {"step": step, "loss": loss, "loss_last": values[-1][0], "lr": lr, "grad_norm": grad_norm,
+              "tokens": tokens, "ms": step_s * 1000, "tok_per_s": tokens_per_step / step_s, "data_ms": data_ms,
+              "fwd_bwd_ms": fb_ms, "opt_ms": opt_ms, "peak_mem_gib": memory}
+    last = f" (last {values[-1][0]:.6f})" if n > 1 else ""
+    line = (f"step {step:5d}/{max_steps} | loss {loss:.6f}{last} | lr {lr:.4e} | norm {grad_norm:.4f} | "
+            f"{step_s * 1000:.1f} ms (data {data_ms:.1f}, fwd+bwd {fb_ms:.1f}, opt {opt_ms:.1f}) | "
+            f"{record['tok_per_s']:,.0f} tok/s | {short_count(tokens)} tokens | mem {max(memory):.2f} GiB/rank")
     if peak_flops:
         record["mfu"] = flops_per_step / step_s / (peak_flops * world_size)
         line += f" | MFU {record['mfu'] * 100:.1f}%"
+    if step > eta_from[0]:  # the mean wall time of a step since the first one, evals and checkpoints included
+        record["eta_s"] = (now - eta_from[1]) / (step - eta_from[0]) * (max_steps - 1 - step)
+        line += f" | eta {duration(record['eta_s'])}"
     return record, line
 
 
@@ -935,7 +998,7 @@ def setup_training(model, args, device, local_rank, world_size):
     autocast context and the dtype. `model` stays the plain module: checkpoints, sampling and HellaSwag use it,
     eager, at any shape."""
     device_type = device.split(":")[0]
-    dtype = autocast_dtype(args.dtype, device_type)
+    dtype = autocast_dtype(args.dtype, device_type, model.config.n_embd)
     autocast_ctx = autocast_context(device_type, dtype)
     if args.fsdp:
         if world_size == 1:
@@ -1112,6 +1175,8 @@ def main(argv=None):
         epoch_tokens = sum(train_loader.num_windows) * train_loader.window_tokens
         print(f"train data: {args.data_order} order, {len(train_files)} shards, an epoch is {epoch_tokens:,} tokens "
               f"= {epoch_tokens / args.total_batch_size:,.1f} steps")
+        if model is not raw_model:
+            print("compiling the model (the first step takes a minute or more)", flush=True)
 
     @torch.no_grad()
     def evaluate_val_loss():
@@ -1120,7 +1185,7 @@ def main(argv=None):
         model.eval()
         val_loader.load_state({"shard": 0, "pos": 0})  # the same val tokens every time
         loss_sum = torch.zeros((), device=device)
-        for i in range(val_steps):
+        for i in progress(range(val_steps), "val loss", enabled=master):
             if i % 16 == 15 and stop_agreed(device, world_size):
                 model.train()
                 return None
@@ -1146,6 +1211,7 @@ def main(argv=None):
         print(f"no MFU: the bf16 peak FLOP/s of {device_name(device)} is not known; give it with --peak_flops")
     timings = []  # per step since the last log line: (data, forward+backward, optimizer) timestamps
     stop = False  # agreed by all ranks
+    losses = []  # per step since the last log line: (loss, grad norm) on the device, read at the log line
 
     for step in range(start_step, args.max_steps + 1):
         last_step = step == args.max_steps
@@ -1176,7 +1242,7 @@ def main(argv=None):
             tokens = torch.cat(list(generate(raw_model, prompt, args.sample_len, enc.n_vocab, top_k=50,
                                              generator=generator, autocast_ctx=autocast_ctx)), dim=1)
             for i, row in enumerate(tokens.tolist() if master else []):
-                print(f"sample {i}: {args.prompt}{enc.decode(row)!r}")
+                print(f"---- sample {i} ----\n{args.prompt}{enc.decode(row)}")
             raw_model.train()
         if step > start_step and (step % args.save_every == 0 or last_step):
             save(step)
@@ -1193,12 +1259,15 @@ def main(argv=None):
                                                   autocast_ctx)
         timings.append(marks)
         stop = agree_to_stop(loss_accum, world_size)
+        losses.append((loss_accum, grad_norm))
+        if step == start_step:
+            eta_from = (step, time.perf_counter())
         if step % args.log_every == 0 or step == args.max_steps - 1:
             lr = optimizers[0].param_groups[0]["lr"]  # the lr AdamW stepped with
-            log(*step_record(step, loss_accum.item(), lr, grad_norm.item(), timings,
-                             time.perf_counter() - t_interval, args.total_batch_size, flops_per_step, peak_flops,
-                             device, world_size))
+            log(*step_record(step, args.max_steps, losses, lr, timings, t_interval, eta_from,
+                             args.total_batch_size, flops_per_step, peak_flops, device, world_size))
             timings.clear()
+            losses.clear()
 
     if wandb_run is not None:
         wandb_run.finish()

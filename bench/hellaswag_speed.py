@@ -24,15 +24,17 @@ def main():
     p.add_argument("--ckpt", help="a checkpoint instead")
     p.add_argument("--batch_sizes", nargs="+", type=int, default=[1, 16], help="examples per forward to compare")
     p.add_argument("--device", default="auto", help="auto, cuda, mps or cpu")
-    p.add_argument("--dtype", default="auto", help="weights dtype (auto: bfloat16 where supported)")
+    p.add_argument("--dtype", default="float32", help="matmul dtype under autocast, as hellaswag.py's --dtype")
+    p.add_argument("--cast_weights", action="store_true", help="cast the weights to --dtype, as hellaswag.py's flag")
     args = p.parse_args()
     _, _, _, device = tg.init_distributed(args.device)
     device_type = device.split(":")[0]
     torch.manual_seed(0)
     model = tg.model_from_checkpoint(tg.load_checkpoint(args.ckpt)[0]) if args.ckpt else \
         tg.GPT(tg.GPTConfig(**tg.MODEL_SIZES[args.preset]))
-    model.to(device=device, dtype=tg.autocast_dtype(args.dtype, device_type)).eval()  # as hellaswag.py: cast once
-    ctx = tg.nullcontext()
+    dtype = tg.autocast_dtype(args.dtype, device_type, model.config.n_embd)
+    model.to(device=device, dtype=dtype if args.cast_weights else torch.float32).eval()  # as hellaswag.py
+    ctx = tg.nullcontext() if args.cast_weights else tg.autocast_context(device_type, dtype)
     examples, enc = tg.load_hellaswag(args.data_file, args.limit), tg.get_tokenizer()
     print("| model | device | examples | batch | examples/s | vs first | acc_norm |\n|---|---|---:|---:|---:|---:|---:|")
     first, counts = None, set()

@@ -96,3 +96,15 @@ def test_missing_or_foreign_checkpoint_is_a_one_line_error(tmp_path):
         proc = run("sample.py", "--ckpt", ckpt)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and expect in lines[0], proc.stderr
+
+
+def test_cpu_decoding_uses_one_thread_unless_told(base_ckpt):
+    import os
+    import subprocess
+    import sys
+    from conftest import REPO
+    cmd = [sys.executable, "sample.py", "--ckpt", base_ckpt, "--prompt", "x", "--max_new_tokens", "2", "--device", "cpu"]
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # torch would use every core
+    default = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    told = subprocess.run(cmd + ["--threads", "2"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert "cpu threads: 1 " in default.stderr and "cpu threads: 2 " in told.stderr, (default.stderr, told.stderr)

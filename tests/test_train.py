@@ -59,7 +59,7 @@ def test_loss_falls_on_real_text(shards, tmp_path):
                "--num_samples", 1, "--sample_len", 8, check=True)
     val = val_losses(out)
     assert val[40] < val[0] - 2.0, val
-    assert "sample 0:" in proc.stdout
+    assert "---- sample 0 ----\nHello, I'm a language model," in proc.stdout  # text, not a repr
     losses = train_losses(out)
     assert np.mean([losses[s] for s in range(35, 40)]) < np.mean([losses[s] for s in range(5)]) - 2.0
     record = [r for r in read_log(out) if r["step"] == 39 and "loss" in r][0]
@@ -68,6 +68,22 @@ def test_loss_falls_on_real_text(shards, tmp_path):
     assert ckpt["step"] == 40 and ckpt["val_loss"] == val[40] and ckpt["loader"]["window"] > 0
     assert ckpt["args"]["max_steps"] == 40 and ckpt["config"]["n_embd"] == 32
     assert all(not k.startswith(("module.", "_orig_mod.")) for k in ckpt["model"])
+
+
+def test_log_every_keeps_mean_loss_last_loss_and_tokens(shards, tmp_path):
+    flags = [*TINY, "--data_dir", shards, "--max_steps", 7, "--eval_every", 100]
+    run("train_gpt2.py", *flags, "--out_dir", tmp_path / "every", check=True)
+    sparse = run("train_gpt2.py", *flags, "--out_dir", tmp_path / "sparse", "--log_every", 3, check=True)
+    per_step = {r["step"]: r for r in read_log(tmp_path / "every") if "loss" in r}
+    logged = {r["step"]: r for r in read_log(tmp_path / "sparse") if "loss" in r}
+    assert sorted(logged) == [0, 3, 6]
+    for step in (3, 6):  # each line covers the steps since the last one: 1-3, 4-6
+        steps = range(step - 2, step + 1)
+        assert logged[step]["loss"] == pytest.approx(np.mean([per_step[s]["loss"] for s in steps]), rel=1e-6)
+        assert logged[step]["grad_norm"] == pytest.approx(np.mean([per_step[s]["grad_norm"] for s in steps]), rel=1e-6)
+        assert logged[step]["loss_last"] == pytest.approx(per_step[step]["loss"], rel=1e-6)
+        assert logged[step]["tokens"] == (step + 1) * 256
+    assert "step     3/7 | loss" in sparse.stdout and " | eta " in sparse.stdout
 
 
 def test_resume_reproduces_uninterrupted_run(shards, tmp_path):
@@ -144,7 +160,8 @@ def test_compile_with_eval_sampling_and_hellaswag(shards, tmp_path):
     proc = run("train_gpt2.py", *TINY, "--data_dir", shards, "--out_dir", out, "--max_steps", 4, "--eval_every", 2,
                "--num_samples", 2, "--sample_len", 6, "--compile", "--hellaswag_file", hellaswag,
                "--hellaswag_every", 2, check=True)
-    assert proc.stdout.count("sample 1:") == 2
+    assert proc.stdout.count("---- sample 1 ----\n") == 2
+    assert "compiling the model" in proc.stdout.split("step     0 |")[0]  # said before the first (slow) step
     log = read_log(out)
     assert [r["step"] for r in log if "val_loss" in r] == [0, 2, 4]
     assert [r["hellaswag_acc_norm"] for r in log if "hellaswag_acc_norm" in r][-1] >= 0
@@ -378,3 +395,16 @@ def test_mfu_peak_is_looked_up_by_the_exact_device_name():
     assert peak_flops_of("NVIDIA A100-SXM4-80GB") == peak_flops_of("NVIDIA A100 80GB PCIe") == 312e12
     assert peak_flops_of("NVIDIA H100") is None and peak_flops_of("NVIDIA GeForce RTX 4080") is None
     assert device_peak_flops("cpu") is None and device_peak_flops("cpu", 1e15) == 1e15
+
+
+def test_dtype_auto_on_cpu_picks_the_faster_matmul_and_says_so(capsys):
+    import re
+    from train_gpt2 import autocast_dtype
+    dtype = autocast_dtype("auto", "cpu", 64)
+    line = capsys.readouterr().err
+    bf16, fp32 = map(float, re.search(r"bf16 matmul ([\d.]+) TFLOP/s vs fp32 ([\d.]+)", line).groups())
+    assert line.startswith(f"dtype auto: {str(dtype)[6:]} (")
+    assert dtype in (torch.bfloat16, torch.float32)
+    if bf16 != fp32:  # the figures are rounded to 3 decimals
+        assert (dtype == torch.bfloat16) == (bf16 > fp32)
+    assert autocast_dtype("float32", "cpu") == torch.float32 and capsys.readouterr().err == ""  # no probe
