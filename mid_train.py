@@ -973,7 +973,8 @@ def read_mmlu_csv(path):
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        die(f"{path}:{data[:e.start].count(b'\n') + 1} is not UTF-8 text; convert the file to UTF-8")
+        line_no = data[:e.start].count(b"\n") + 1
+        die(f"{path}:{line_no} is not UTF-8 text; convert the file to UTF-8")
     rows = list(csv.reader(io.StringIO(text, newline="")))
     if rows and rows[0][0] == "question":
         rows = rows[1:]
