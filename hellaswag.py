@@ -329,12 +329,14 @@ class GPT(nn.Module):
 
 
 def hub_reachable(timeout=3):
-    """A quick probe of the Hugging Face hub, so that an offline machine fails at once."""
+    """A quick probe of the Hugging Face hub (HF_ENDPOINT where a mirror is set), so that offline fails at once."""
     import socket
+    from urllib.parse import urlparse
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     try:
-        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+        socket.create_connection((url.hostname, url.port or (80 if url.scheme == "http" else 443)), timeout).close()
         return True
-    except OSError:
+    except (OSError, ValueError):
         return False
 # ---- end shared: model ----
 
@@ -406,6 +408,9 @@ def save_checkpoint(checkpoint, out_dir, step, keep):
     """Written to a temp file and renamed, so a checkpoint on disk is never partial; keeps the newest `keep`."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"ckpt_{step:07d}.pt")
+    if os.path.isdir(path):  # a folder in the way, which --resume passed over: moved aside, never deleted
+        os.replace(path, path + f".folder_{int(time.time())}")
+        print(f"moved the folder {path} aside to {path}.folder_* to save the checkpoint there", file=sys.stderr)
     with open(path + ".tmp", "wb") as f:
         torch.save(checkpoint, f)
         fsync_file(f)
@@ -446,13 +451,17 @@ def load_checkpoint(path, device="cpu"):
     found = sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)))
     if not found:
         die(f"no checkpoint at {path}: give a ckpt_*.pt file or an out_dir holding one")
+    problems = []
     for candidate in reversed(found):
         checkpoint, problem = read_checkpoint(candidate, device)
         if not problem:
+            if problems and int(os.environ.get("RANK", 0)) == 0:
+                print(f"passing over {len(problems)} newer checkpoint(s): {'; '.join(problems)}; using {candidate}",
+                      file=sys.stderr)
             return checkpoint, candidate
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"skipping {problem}; trying the checkpoint before it", file=sys.stderr)
-    die(f"none of the {len(found)} checkpoints in {path} is readable; start afresh without --resume (or --init_ckpt)")
+        problems.append(problem)
+    die(f"none of the {len(found)} checkpoints in {path} is readable ({problems[0]}); start afresh without --resume "
+        f"or give another checkpoint")
 
 
 def model_from_checkpoint(checkpoint):
