@@ -42,7 +42,8 @@ def get_args(argv=None):
     p.add_argument("--shard_size", type=ranged(int, 1, 2**31 - 1), default=100_000_000,
                    help="tokens per shard (at most 2^31 - 1, the header's int32 count)")
     p.add_argument("--max_shards", type=nonneg_int, default=0, help="stop after this many shards in all (0: whole source)")
-    p.add_argument("--workers", type=positive_int, default=os.cpu_count(), help="tokenizer processes (default: all cores)")
+    p.add_argument("--workers", type=ranged(int, 1, 1024), default=os.cpu_count(),
+                   help="tokenizer processes (default: all cores)")
     p.add_argument("--demo", action="store_true",
                    help="tokenize the Python standard library's source into data/demo (offline, for train_gpt2.py --demo)")
     args = p.parse_args(argv)

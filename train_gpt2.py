@@ -1094,7 +1094,12 @@ def main(argv=None):
         config = GPTConfig(**{**MODEL_SIZES[args.model], **overrides})
         if config.n_embd % config.n_head != 0:
             die(f"--n_embd {config.n_embd} is not divisible by --n_head {config.n_head}")
-        model = GPT(config)
+        try:
+            model = GPT(config)
+        except (MemoryError, RuntimeError):  # torch reports a failed allocation as a RuntimeError
+            params = 12 * config.n_layer * config.n_embd**2 + config.vocab_size * config.n_embd
+            die(f"the model ({config.n_layer} layers x {config.n_embd} wide, ~{params / 1e9:,.1f}B parameters) does "
+                f"not fit in memory; make it smaller")
     if T > model.config.block_size:
         die(f"--seq_len {T} is beyond the model's context of {model.config.block_size}; lower --seq_len")
     raw_model = model.to(device)

@@ -341,7 +341,7 @@ def test_resume_drops_a_half_written_log_line_and_stale_temp_files(run_dir, tmp_
 
 def test_prepare_continues_after_a_truncated_manifest(tmp_path):
     files = stdlib_files(8)
-    args = ["--input", *files, "--out_dir", tmp_path / "shards", "--shard_size", 20_000, "--workers", 1]
+    args = ["--input", *files, "--out_dir", tmp_path / "shards", "--shard_size", 8_000, "--workers", 1]
     run("prepare_fineweb.py", *args, check=True)
     shards = {p.name: p.read_bytes() for p in (tmp_path / "shards").glob("*.bin")}
     manifest = (tmp_path / "shards" / "manifest.json").read_text()
