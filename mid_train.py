@@ -711,7 +711,7 @@ def open_run_log(args, master, start_step, wandb_run_id):
             try:
                 wandb_run = wandb.init(project=args.wandb_project, name=args.wandb_run_name, id=wandb_run_id,
                                        resume="allow", config=vars(args), dir=args.out_dir)
-            except wandb.errors.UsageError as e:  # not logged in, and no WANDB_MODE
+            except wandb.errors.Error as e:  # not logged in (and no WANDB_MODE), a bad key, no network
                 die(f"--wandb_project: wandb cannot start ({str(e).splitlines()[0]}); run `wandb login`, or set "
                     f"WANDB_MODE=offline to log locally (wandb sync uploads it later)")
             wandb_run_id = wandb_run.id

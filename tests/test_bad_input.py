@@ -210,6 +210,7 @@ def start(name, script, argv, env, workdir):
         return
     code = 1
     try:
+        os.setpgid(0, 0)  # its own process group, so that a case that hangs is killed with all its workers
         for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, f"{workdir}/{name}.out", os.O_WRONLY | os.O_CREAT),
                                 (2, f"{workdir}/{name}.err", os.O_WRONLY | os.O_CREAT)):
             os.dup2(os.open(path, flags), fd)
@@ -232,7 +233,13 @@ while cases or running:
     if cases and len(running) < 2:
         start(*cases.pop(0))
         continue
-    pid, status = os.wait()
+    pid, status = os.waitpid(-1, os.WNOHANG)
+    if pid == 0:
+        for pid, (name, t0) in running.items():
+            if time.time() - t0 > 120:
+                os.killpg(pid, 9)
+        time.sleep(0.02)
+        continue
     name, t0 = running.pop(pid)
     results[name] = (os.waitstatus_to_exitcode(status), time.time() - t0)
 print(json.dumps(results))
