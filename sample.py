@@ -307,7 +307,7 @@ class GPT(nn.Module):
         try:  # the cache first: offline, transformers would retry the hub for ~20 s before failing
             hf_model = GPT2LMHeadModel.from_pretrained(model_type, local_files_only=True)
         except OSError:
-            if os.environ.get("HF_HUB_OFFLINE") == "1" or not hub_reachable():
+            if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") or not hub_reachable():
                 die(f"OpenAI's {model_type} weights are not in the Hugging Face cache and the hub cannot be reached; "
                     f"go online once to download them")
             try:
