@@ -38,8 +38,8 @@ def get_args(argv=None):
     p.add_argument("--split", default="val", choices=["train", "val", "test"], help="which official split to download")
     p.add_argument("--data_file", help="a HellaSwag .jsonl to read instead of downloading (offline use)")
     p.add_argument("--cache_dir", default=os.path.join("data", "hellaswag"), help="where downloads are kept")
-    p.add_argument("--limit", type=int, default=0, help="score only the first N examples (0: all)")
-    p.add_argument("--batch_size", type=int, default=16, help="examples per forward pass (4 rows each)")
+    p.add_argument("--limit", type=nonneg_int, default=0, help="score only the first N examples (0: all)")
+    p.add_argument("--batch_size", type=positive_int, default=16, help="examples per forward pass (4 rows each)")
     p.add_argument("--device", default="auto", help="auto, cuda, mps or cpu")
     p.add_argument("--dtype", default="float32", choices=["auto", "bfloat16", "float16", "float32"],
                    help="dtype of the matmuls, under autocast with float32 weights; float32 gives the published "
@@ -67,7 +67,75 @@ class HelpFormatter(argparse.HelpFormatter):
         if action.default in (None, False, argparse.SUPPRESS) or "default" in action.help:
             return action.help
         return action.help + (" (default: %(default)r)" if isinstance(action.default, str) else " (default: %(default)s)")
+
+
+def ranged(kind, low=None, high=None, low_open=False):
+    """An argparse type: a `kind` (int or float) in [low, high], or (low, high] with low_open. A bad value is then
+    a one-line error at parse time that names the flag and the range, e.g. `argument --lr: ...`."""
+    name = "an integer" if kind is int else "a number"
+    bounds = " and ".join(([f"> {low}" if low_open else f">= {low}"] if low is not None else [])
+                          + ([f"<= {high}"] if high is not None else []))
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {name}; give {name} {bounds}".rstrip())
+        if not abs(value) < float("inf") or (low is not None and (value <= low if low_open else value < low)) \
+                or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{text} is out of range; give {name} {bounds}")
+        return value
+    return parse
+
+
+positive_int, nonneg_int = ranged(int, 1), ranged(int, 0)
+positive_float, nonneg_float = ranged(float, 0, low_open=True), ranged(float, 0)
+fraction = ranged(float, 0, 1)  # a share or a ratio, 0 to 1
+unit_interval = ranged(float, 0, 1, low_open=True)  # a probability mass such as top_p: (0, 1]
+seed_int = ranged(int, 0, 2**32 - 1)  # what every RNG we seed takes
 # ---- end shared: cli ----
+
+
+# ---- shared: files ----
+def prepare_out_dir(path, flag):
+    """Create an output folder and check that it can be written, before any work starts. Remove the *.tmp files
+    that a killed save left there: finished files are renamed from them, so a .tmp is never the only copy."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write_check_{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        die(f"{flag} {path} cannot be created or written ({e.strerror or type(e).__name__}); "
+            f"give another folder or fix its permissions")
+    stale = [f for f in sorted(glob.glob(os.path.join(path, "*.tmp"))) if os.path.isfile(f)]
+    for f in stale:
+        os.remove(f)
+    if stale:
+        print(f"removed {len(stale)} stale temp file(s) of a killed save from {path}: "
+              f"{', '.join(os.path.basename(f) for f in stale)}", file=sys.stderr)
+
+
+def fsync_file(f):
+    """Flush an open file to the disk itself, before it is renamed into place."""
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def rename_synced(tmp_path, path):
+    """Rename a written and fsynced temp file into place, then fsync the folder so that the rename is on disk too:
+    after a machine crash there is the old file or the new one, never a renamed but empty one."""
+    os.replace(tmp_path, path)
+    try:
+        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:  # some filesystems cannot fsync a folder; the file itself is on disk already
+        pass
+# ---- end shared: files ----
 
 
 # ---- shared: progress ----
@@ -270,13 +338,31 @@ class GPT(nn.Module):
             from transformers import GPT2LMHeadModel
         except ImportError:
             die(f"loading {model_type} needs transformers: pip install transformers")
-        try:
-            hf_model = GPT2LMHeadModel.from_pretrained(model_type)
-        except OSError as e:
-            die(f"could not load OpenAI's {model_type} weights ({str(e).splitlines()[0]}); go online once to cache them")
+        try:  # the cache first: offline, transformers would retry the hub for ~20 s before failing
+            hf_model = GPT2LMHeadModel.from_pretrained(model_type, local_files_only=True)
+        except OSError:
+            if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") or not hub_reachable():
+                die(f"OpenAI's {model_type} weights are not in the Hugging Face cache and the hub cannot be reached; "
+                    f"go online once to download them")
+            try:
+                hf_model = GPT2LMHeadModel.from_pretrained(model_type)
+            except OSError as e:
+                die(f"could not load OpenAI's {model_type} weights ({str(e).splitlines()[0]}); go online once to cache them")
         model = cls(GPTConfig(**MODEL_SIZES[model_type]))
         model.load_hf_state_dict(hf_model.state_dict())
         return model
+
+
+def hub_reachable(timeout=3):
+    """A quick probe of the Hugging Face hub (HF_ENDPOINT where a mirror is set), so that offline fails at once."""
+    import socket
+    from urllib.parse import urlparse
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or (80 if url.scheme == "http" else 443)), timeout).close()
+        return True
+    except (OSError, ValueError):
+        return False
 # ---- end shared: model ----
 
 
@@ -286,16 +372,31 @@ def init_distributed(device_arg="auto"):
     Returns (rank, local_rank, world_size, device)."""
     if device_arg == "auto":
         device_arg = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    check_device(device_arg)
     if "RANK" not in os.environ:
         return 0, 0, 1, device_arg
     rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     if device_arg.startswith("cuda"):
         device_arg = f"cuda:{local_rank}"
+        check_device(device_arg)
         torch.cuda.set_device(device_arg)
         dist.init_process_group("nccl", device_id=torch.device(device_arg))
     else:
         dist.init_process_group("gloo")
     return rank, local_rank, world_size, device_arg
+
+
+def check_device(device):
+    """A one-line error for a device this machine does not have, or a name torch would not take."""
+    kind, _, index = device.partition(":")
+    if kind not in ("cuda", "mps", "cpu") or (index and (kind != "cuda" or not index.isdigit())):
+        die(f"--device {device} is not a device name; give auto, cpu, mps, cuda or cuda:N")
+    if kind == "cuda" and not torch.cuda.is_available():
+        die(f"--device {device}: CUDA is not available here (torch {torch.__version__}); use --device cpu (or auto)")
+    if kind == "cuda" and index and int(index) >= torch.cuda.device_count():
+        die(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), numbered from 0")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        die("--device mps: MPS (Apple GPU) is not available here; use --device cpu (or auto)")
 
 
 def autocast_dtype(dtype_arg, device_type, width=768):
@@ -354,10 +455,16 @@ def save_checkpoint(checkpoint, out_dir, step, keep):
     """Written to a temp file and renamed, so a checkpoint on disk is never partial; keeps the newest `keep`."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"ckpt_{step:07d}.pt")
-    torch.save(checkpoint, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    if os.path.isdir(path):  # a folder in the way, which --resume passed over: moved aside, never deleted
+        os.replace(path, path + f".folder_{int(time.time())}")
+        print(f"moved the folder {path} aside to {path}.folder_* to save the checkpoint there", file=sys.stderr)
+    with open(path + ".tmp", "wb") as f:
+        torch.save(checkpoint, f)
+        fsync_file(f)
+    rename_synced(path + ".tmp", path)
     for old in sorted(glob.glob(os.path.join(out_dir, CHECKPOINT_GLOB)))[:-keep]:
-        os.remove(old)
+        if os.path.isfile(old):
+            os.remove(old)
     return path
 
 
@@ -369,18 +476,39 @@ def find_checkpoint(path):
     return found[-1] if found else None
 
 
-def load_checkpoint(path, device="cpu"):
-    """Load a checkpoint of train_gpt2.py or mid_train.py; a missing or foreign file is a one-line error."""
-    found = find_checkpoint(path)
-    if found is None:
-        die(f"no checkpoint at {path}: give a ckpt_*.pt file or an out_dir holding one")
+def read_checkpoint(path, device="cpu", mmap=False):
+    """(checkpoint, None), or (None, why it is not a readable checkpoint of train_gpt2.py or mid_train.py)."""
     try:
-        checkpoint = torch.load(found, map_location=device, weights_only=True)
+        checkpoint = torch.load(path, map_location=device, weights_only=True, mmap=mmap)  # mmap: tensors read lazily
     except Exception as e:
-        die(f"{found} is not a readable checkpoint ({type(e).__name__}); give one written by train_gpt2.py or mid_train.py")
+        return None, f"{path} is not a readable checkpoint ({type(e).__name__})"
     if not isinstance(checkpoint, dict) or not {"model", "config"} <= checkpoint.keys():
-        die(f"{found} is not a train_gpt2.py/mid_train.py checkpoint (no model and config in it)")
-    return checkpoint, found
+        return None, f"{path} is not a train_gpt2.py/mid_train.py checkpoint (no model and config in it)"
+    return checkpoint, None
+
+
+def load_checkpoint(path, device="cpu", mmap=False):
+    """Load a checkpoint file, or the newest readable one in an out_dir: an unreadable newest one (a truncated,
+    empty or foreign file) is passed over with a line. A missing or unreadable checkpoint is a one-line error."""
+    if os.path.isfile(path):
+        checkpoint, problem = read_checkpoint(path, device, mmap)
+        if problem:
+            die(f"{problem}; give one written by train_gpt2.py or mid_train.py")
+        return checkpoint, path
+    found = sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)))
+    if not found:
+        die(f"no checkpoint at {path}: give a ckpt_*.pt file or an out_dir holding one")
+    problems = []
+    for candidate in reversed(found):
+        checkpoint, problem = read_checkpoint(candidate, device, mmap)
+        if not problem:
+            if problems and int(os.environ.get("RANK", 0)) == 0:
+                print(f"passing over {len(problems)} newer checkpoint(s): {'; '.join(problems)}; using {candidate}",
+                      file=sys.stderr)
+            return checkpoint, candidate
+        problems.append(problem)
+    die(f"none of the {len(found)} checkpoints in {path} is readable ({problems[0]}); start afresh without --resume "
+        f"or give another checkpoint")
 
 
 def model_from_checkpoint(checkpoint):
@@ -394,15 +522,22 @@ def model_from_checkpoint(checkpoint):
 def load_hellaswag(path, limit=0):
     """Examples of the official HellaSwag jsonl (ctx, endings, label), the first `limit` of them (0: all)."""
     examples = []
-    with open(path) as f:
+    with open(path, "rb") as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                ex = json.loads(line)
-                examples.append((ex["ctx"], list(ex["endings"]), int(ex["label"])))
+                ex = json.loads(line.decode("utf-8"))
+                ctx, endings, label = ex["ctx"], ex["endings"], int(ex["label"])
+            except UnicodeDecodeError:
+                die(f"{path}:{line_no} is not UTF-8 text; HellaSwag files are UTF-8 jsonl")
             except (ValueError, KeyError, TypeError):
                 die(f"{path}:{line_no} is not a HellaSwag example (jsonl with ctx, endings, label)")
+            if not isinstance(ctx, str) or not isinstance(endings, list) or len(endings) != 4 \
+                    or not all(isinstance(e, str) for e in endings) or not 0 <= label <= 3:
+                die(f"{path}:{line_no} is not a HellaSwag example: it needs a ctx string, exactly 4 endings (strings) "
+                    f"and a label 0-3")
+            examples.append((ctx, endings, label))
             if len(examples) == limit:
                 break
     return examples
@@ -476,13 +611,14 @@ def hellaswag_file(args):
     path = os.path.join(args.cache_dir, f"hellaswag_{args.split}.jsonl")
     if not os.path.exists(path):
         url = HELLASWAG_URL.format(split=args.split)
-        os.makedirs(args.cache_dir, exist_ok=True)
+        prepare_out_dir(args.cache_dir, "--cache_dir")
         try:
             with urllib.request.urlopen(url, timeout=30) as response, open(path + ".tmp", "wb") as f:
                 f.write(response.read())
+                fsync_file(f)
         except OSError as e:
             die(f"cannot download {url} ({e.__class__.__name__}); offline, give the file with --data_file")
-        os.replace(path + ".tmp", path)
+        rename_synced(path + ".tmp", path)
     return path
 
 

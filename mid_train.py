@@ -16,6 +16,7 @@ import argparse
 import bisect
 import csv
 import glob
+import io
 import itertools
 import json
 import math
@@ -53,24 +54,24 @@ def get_args(argv=None):
     p.add_argument("--data", nargs="+", default=["chat:hub", "mmlu:hub", "gsm8k:hub"],
                    help="sources KIND:PATH[:EPOCHS]; KIND chat (.jsonl of {messages} or bare message lists), gsm8k "
                         "(.jsonl question/answer) or mmlu (.csv or folder of them); PATH `hub` loads it by name")
-    p.add_argument("--val_fraction", type=float, default=0.02, help="share of each source held out for val")
+    p.add_argument("--val_fraction", type=fraction, default=0.02, help="share of each source held out for val")
     p.add_argument("--train_on", default="assistant", choices=["assistant", "all"],
                    help="learn the assistant's tokens only, or every token")
-    p.add_argument("--seq_len", type=int, help="tokens per row (default: the model's context length)")
-    p.add_argument("--micro_batch_size", type=int, default=16, help="rows per forward pass on each process")
-    p.add_argument("--total_batch_size", type=int,
+    p.add_argument("--seq_len", type=positive_int, help="tokens per row (default: the model's context length)")
+    p.add_argument("--micro_batch_size", type=positive_int, default=16, help="rows per forward pass on each process")
+    p.add_argument("--total_batch_size", type=positive_int,
                    help="tokens per optimizer step over all processes (default: one micro-batch on each)")
-    p.add_argument("--max_steps", type=int, help="optimizer steps (default: one pass over the packed train rows)")
-    p.add_argument("--lr", type=float, default=2e-4, help="learning rate (AdamW), flat then decayed to 0")
-    p.add_argument("--warmdown_frac", type=float, default=0.2, help="decay the LR linearly over this last share")
-    p.add_argument("--weight_decay", type=float, default=0.0, help="weight decay on 2-D weights")
-    p.add_argument("--grad_clip", type=float, default=1.0, help="clip the gradient norm to this (0: off)")
+    p.add_argument("--max_steps", type=positive_int, help="optimizer steps (default: one pass over the packed train rows)")
+    p.add_argument("--lr", type=positive_float, default=2e-4, help="learning rate (AdamW), flat then decayed to 0")
+    p.add_argument("--warmdown_frac", type=fraction, default=0.2, help="decay the LR linearly over this last share")
+    p.add_argument("--weight_decay", type=nonneg_float, default=0.0, help="weight decay on 2-D weights")
+    p.add_argument("--grad_clip", type=nonneg_float, default=1.0, help="clip the gradient norm to this (0: off)")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
                    help="adamw, or muon for the 2-D weights inside the blocks with adamw for the rest")
-    p.add_argument("--muon_lr", type=float, default=0.005, help="learning rate of Muon (--optimizer muon)")
-    p.add_argument("--muon_momentum", type=float, default=0.95, help="Muon momentum after the warm-up")
-    p.add_argument("--muon_momentum_warmup", type=int, default=50, help="steps over which Muon's momentum rises from 0.85")
-    p.add_argument("--seed", type=int, default=1337, help="random seed (shuffle, val split)")
+    p.add_argument("--muon_lr", type=positive_float, default=0.005, help="learning rate of Muon (--optimizer muon)")
+    p.add_argument("--muon_momentum", type=fraction, default=0.95, help="Muon momentum after the warm-up")
+    p.add_argument("--muon_momentum_warmup", type=nonneg_int, default=50, help="steps over which Muon's momentum rises from 0.85")
+    p.add_argument("--seed", type=seed_int, default=1337, help="random seed (shuffle, val split)")
     p.add_argument("--device", default="auto", help="auto, cuda, cuda:N, mps or cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="autocast dtype; auto: bfloat16 where the device supports it, else float32")
@@ -78,15 +79,15 @@ def get_args(argv=None):
                    help="shard weights, gradients and optimizer state over the ranks (FSDP2) instead of DDP")
     p.add_argument("--compile", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
                    help="torch.compile the model; auto: on for CUDA, and for CPU where a C++ compiler is found")
-    p.add_argument("--eval_every", type=int, default=100, help="val loss, bits per byte and a sample every N steps")
+    p.add_argument("--eval_every", type=positive_int, default=100, help="val loss, bits per byte and a sample every N steps")
     p.add_argument("--prompt", default="What is the capital of France?", help="user message of the in-loop sample")
-    p.add_argument("--sample_len", type=int, default=64, help="tokens of the in-loop sample at most")
+    p.add_argument("--sample_len", type=nonneg_int, default=64, help="tokens of the in-loop sample at most")
     p.add_argument("--out_dir", default="out/mid", help="checkpoints, log.jsonl and wandb files go here")
-    p.add_argument("--save_every", type=int, default=500, help="checkpoint every N steps (and at the end)")
-    p.add_argument("--keep_checkpoints", type=int, default=3, help="newest checkpoints kept in out_dir")
+    p.add_argument("--save_every", type=positive_int, default=500, help="checkpoint every N steps (and at the end)")
+    p.add_argument("--keep_checkpoints", type=positive_int, default=3, help="newest checkpoints kept in out_dir")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in out_dir")
-    p.add_argument("--log_every", type=int, default=1, help="print a step line every N steps")
-    p.add_argument("--peak_flops", type=float, help="device peak FLOP/s for MFU (known GPUs are detected)")
+    p.add_argument("--log_every", type=positive_int, default=1, help="print a step line every N steps")
+    p.add_argument("--peak_flops", type=positive_float, help="device peak FLOP/s for MFU (known GPUs are detected)")
     p.add_argument("--wandb_project", help="log to this wandb project (WANDB_MODE=offline works)")
     p.add_argument("--wandb_run_name", help="wandb run name")
     args = p.parse_args(argv)
@@ -111,7 +112,75 @@ class HelpFormatter(argparse.HelpFormatter):
         if action.default in (None, False, argparse.SUPPRESS) or "default" in action.help:
             return action.help
         return action.help + (" (default: %(default)r)" if isinstance(action.default, str) else " (default: %(default)s)")
+
+
+def ranged(kind, low=None, high=None, low_open=False):
+    """An argparse type: a `kind` (int or float) in [low, high], or (low, high] with low_open. A bad value is then
+    a one-line error at parse time that names the flag and the range, e.g. `argument --lr: ...`."""
+    name = "an integer" if kind is int else "a number"
+    bounds = " and ".join(([f"> {low}" if low_open else f">= {low}"] if low is not None else [])
+                          + ([f"<= {high}"] if high is not None else []))
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {name}; give {name} {bounds}".rstrip())
+        if not abs(value) < float("inf") or (low is not None and (value <= low if low_open else value < low)) \
+                or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{text} is out of range; give {name} {bounds}")
+        return value
+    return parse
+
+
+positive_int, nonneg_int = ranged(int, 1), ranged(int, 0)
+positive_float, nonneg_float = ranged(float, 0, low_open=True), ranged(float, 0)
+fraction = ranged(float, 0, 1)  # a share or a ratio, 0 to 1
+unit_interval = ranged(float, 0, 1, low_open=True)  # a probability mass such as top_p: (0, 1]
+seed_int = ranged(int, 0, 2**32 - 1)  # what every RNG we seed takes
 # ---- end shared: cli ----
+
+
+# ---- shared: files ----
+def prepare_out_dir(path, flag):
+    """Create an output folder and check that it can be written, before any work starts. Remove the *.tmp files
+    that a killed save left there: finished files are renamed from them, so a .tmp is never the only copy."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write_check_{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        die(f"{flag} {path} cannot be created or written ({e.strerror or type(e).__name__}); "
+            f"give another folder or fix its permissions")
+    stale = [f for f in sorted(glob.glob(os.path.join(path, "*.tmp"))) if os.path.isfile(f)]
+    for f in stale:
+        os.remove(f)
+    if stale:
+        print(f"removed {len(stale)} stale temp file(s) of a killed save from {path}: "
+              f"{', '.join(os.path.basename(f) for f in stale)}", file=sys.stderr)
+
+
+def fsync_file(f):
+    """Flush an open file to the disk itself, before it is renamed into place."""
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def rename_synced(tmp_path, path):
+    """Rename a written and fsynced temp file into place, then fsync the folder so that the rename is on disk too:
+    after a machine crash there is the old file or the new one, never a renamed but empty one."""
+    os.replace(tmp_path, path)
+    try:
+        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:  # some filesystems cannot fsync a folder; the file itself is on disk already
+        pass
+# ---- end shared: files ----
 
 
 # ---- shared: progress ----
@@ -344,13 +413,31 @@ class GPT(nn.Module):
             from transformers import GPT2LMHeadModel
         except ImportError:
             die(f"loading {model_type} needs transformers: pip install transformers")
-        try:
-            hf_model = GPT2LMHeadModel.from_pretrained(model_type)
-        except OSError as e:
-            die(f"could not load OpenAI's {model_type} weights ({str(e).splitlines()[0]}); go online once to cache them")
+        try:  # the cache first: offline, transformers would retry the hub for ~20 s before failing
+            hf_model = GPT2LMHeadModel.from_pretrained(model_type, local_files_only=True)
+        except OSError:
+            if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") or not hub_reachable():
+                die(f"OpenAI's {model_type} weights are not in the Hugging Face cache and the hub cannot be reached; "
+                    f"go online once to download them")
+            try:
+                hf_model = GPT2LMHeadModel.from_pretrained(model_type)
+            except OSError as e:
+                die(f"could not load OpenAI's {model_type} weights ({str(e).splitlines()[0]}); go online once to cache them")
         model = cls(GPTConfig(**MODEL_SIZES[model_type]))
         model.load_hf_state_dict(hf_model.state_dict())
         return model
+
+
+def hub_reachable(timeout=3):
+    """A quick probe of the Hugging Face hub (HF_ENDPOINT where a mirror is set), so that offline fails at once."""
+    import socket
+    from urllib.parse import urlparse
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or (80 if url.scheme == "http" else 443)), timeout).close()
+        return True
+    except (OSError, ValueError):
+        return False
 # ---- end shared: model ----
 
 
@@ -360,16 +447,31 @@ def init_distributed(device_arg="auto"):
     Returns (rank, local_rank, world_size, device)."""
     if device_arg == "auto":
         device_arg = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    check_device(device_arg)
     if "RANK" not in os.environ:
         return 0, 0, 1, device_arg
     rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     if device_arg.startswith("cuda"):
         device_arg = f"cuda:{local_rank}"
+        check_device(device_arg)
         torch.cuda.set_device(device_arg)
         dist.init_process_group("nccl", device_id=torch.device(device_arg))
     else:
         dist.init_process_group("gloo")
     return rank, local_rank, world_size, device_arg
+
+
+def check_device(device):
+    """A one-line error for a device this machine does not have, or a name torch would not take."""
+    kind, _, index = device.partition(":")
+    if kind not in ("cuda", "mps", "cpu") or (index and (kind != "cuda" or not index.isdigit())):
+        die(f"--device {device} is not a device name; give auto, cpu, mps, cuda or cuda:N")
+    if kind == "cuda" and not torch.cuda.is_available():
+        die(f"--device {device}: CUDA is not available here (torch {torch.__version__}); use --device cpu (or auto)")
+    if kind == "cuda" and index and int(index) >= torch.cuda.device_count():
+        die(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), numbered from 0")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        die("--device mps: MPS (Apple GPU) is not available here; use --device cpu (or auto)")
 
 
 def autocast_dtype(dtype_arg, device_type, width=768):
@@ -428,10 +530,16 @@ def save_checkpoint(checkpoint, out_dir, step, keep):
     """Written to a temp file and renamed, so a checkpoint on disk is never partial; keeps the newest `keep`."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"ckpt_{step:07d}.pt")
-    torch.save(checkpoint, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    if os.path.isdir(path):  # a folder in the way, which --resume passed over: moved aside, never deleted
+        os.replace(path, path + f".folder_{int(time.time())}")
+        print(f"moved the folder {path} aside to {path}.folder_* to save the checkpoint there", file=sys.stderr)
+    with open(path + ".tmp", "wb") as f:
+        torch.save(checkpoint, f)
+        fsync_file(f)
+    rename_synced(path + ".tmp", path)
     for old in sorted(glob.glob(os.path.join(out_dir, CHECKPOINT_GLOB)))[:-keep]:
-        os.remove(old)
+        if os.path.isfile(old):
+            os.remove(old)
     return path
 
 
@@ -443,18 +551,39 @@ def find_checkpoint(path):
     return found[-1] if found else None
 
 
-def load_checkpoint(path, device="cpu"):
-    """Load a checkpoint of train_gpt2.py or mid_train.py; a missing or foreign file is a one-line error."""
-    found = find_checkpoint(path)
-    if found is None:
-        die(f"no checkpoint at {path}: give a ckpt_*.pt file or an out_dir holding one")
+def read_checkpoint(path, device="cpu", mmap=False):
+    """(checkpoint, None), or (None, why it is not a readable checkpoint of train_gpt2.py or mid_train.py)."""
     try:
-        checkpoint = torch.load(found, map_location=device, weights_only=True)
+        checkpoint = torch.load(path, map_location=device, weights_only=True, mmap=mmap)  # mmap: tensors read lazily
     except Exception as e:
-        die(f"{found} is not a readable checkpoint ({type(e).__name__}); give one written by train_gpt2.py or mid_train.py")
+        return None, f"{path} is not a readable checkpoint ({type(e).__name__})"
     if not isinstance(checkpoint, dict) or not {"model", "config"} <= checkpoint.keys():
-        die(f"{found} is not a train_gpt2.py/mid_train.py checkpoint (no model and config in it)")
-    return checkpoint, found
+        return None, f"{path} is not a train_gpt2.py/mid_train.py checkpoint (no model and config in it)"
+    return checkpoint, None
+
+
+def load_checkpoint(path, device="cpu", mmap=False):
+    """Load a checkpoint file, or the newest readable one in an out_dir: an unreadable newest one (a truncated,
+    empty or foreign file) is passed over with a line. A missing or unreadable checkpoint is a one-line error."""
+    if os.path.isfile(path):
+        checkpoint, problem = read_checkpoint(path, device, mmap)
+        if problem:
+            die(f"{problem}; give one written by train_gpt2.py or mid_train.py")
+        return checkpoint, path
+    found = sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)))
+    if not found:
+        die(f"no checkpoint at {path}: give a ckpt_*.pt file or an out_dir holding one")
+    problems = []
+    for candidate in reversed(found):
+        checkpoint, problem = read_checkpoint(candidate, device, mmap)
+        if not problem:
+            if problems and int(os.environ.get("RANK", 0)) == 0:
+                print(f"passing over {len(problems)} newer checkpoint(s): {'; '.join(problems)}; using {candidate}",
+                      file=sys.stderr)
+            return checkpoint, candidate
+        problems.append(problem)
+    die(f"none of the {len(found)} checkpoints in {path} is readable ({problems[0]}); start afresh without --resume "
+        f"or give another checkpoint")
 
 
 def model_from_checkpoint(checkpoint):
@@ -622,15 +751,25 @@ def open_run_log(args, master, start_step, wandb_run_id):
         os.makedirs(args.out_dir, exist_ok=True)
         kept = []
         if start_step > 0 and os.path.exists(path):
-            with open(path) as f:
-                kept = [line for line in f if json.loads(line).get("step", 0) < start_step]
-        with open(path + ".tmp", "w") as f:
+            with open(path, "rb") as f:
+                records = [(line, log_record(line)) for line in f]
+            broken = sum(record is None for _, record in records)
+            if broken:  # a half-written line of a killed run (disk full, power loss): the rest is kept
+                print(f"{path}: dropping {broken} unreadable (half-written) line(s)", file=sys.stderr)
+            kept = [line.rstrip(b"\n") + b"\n" for line, record in records
+                    if record is not None and record.get("step", 0) < start_step]
+        with open(path + ".tmp", "wb") as f:
             f.writelines(kept)
-        os.replace(path + ".tmp", path)
+            fsync_file(f)
+        rename_synced(path + ".tmp", path)
         if args.wandb_project:
             import wandb
-            wandb_run = wandb.init(project=args.wandb_project, name=args.wandb_run_name, id=wandb_run_id,
-                                   resume="allow", config=vars(args), dir=args.out_dir)
+            try:
+                wandb_run = wandb.init(project=args.wandb_project, name=args.wandb_run_name, id=wandb_run_id,
+                                       resume="allow", config=vars(args), dir=args.out_dir)
+            except wandb.errors.Error as e:  # not logged in (and no WANDB_MODE), a bad key, no network
+                die(f"--wandb_project: wandb cannot start ({str(e).splitlines()[0]}); run `wandb login`, or set "
+                    f"WANDB_MODE=offline to log locally (wandb sync uploads it later)")
             wandb_run_id = wandb_run.id
 
     def log(record, line):
@@ -642,6 +781,15 @@ def open_run_log(args, master, start_step, wandb_run_id):
                 wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
 
     return log, wandb_run, wandb_run_id
+
+
+def log_record(line):
+    """A log.jsonl line as a dict, or None for a line that is not one whole record."""
+    try:
+        record = json.loads(line)
+    except ValueError:  # UnicodeDecodeError included
+        return None
+    return record if isinstance(record, dict) else None
 # ---- end shared: logging ----
 
 
@@ -867,13 +1015,9 @@ def resume_args(args, given, fixed):
     --resume alone continues it. The `fixed` flags (the model's shape, the optimizer kind) come with the weights and
     optimizer state: a different value given is an error. Every other flag given takes effect, and one line lists
     those that differ from the checkpoint's run."""
-    path = find_checkpoint(args.out_dir)
-    if path is None:
+    if find_checkpoint(args.out_dir) is None:
         die(f"--resume found no checkpoint in {args.out_dir}; drop --resume to start afresh")
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # mmap: no tensor is read
-    except Exception as e:
-        die(f"{path} is not a readable checkpoint ({type(e).__name__}); remove it to resume from an older one")
+    checkpoint, _ = load_checkpoint(args.out_dir, mmap=True)  # the newest readable one; mmap: no tensor is read
     saved = {**checkpoint.get("args", {}), **{k: v for k, v in checkpoint.get("config", {}).items() if k in fixed}}
     changed = []
     for key, value in vars(args).items():
@@ -924,13 +1068,21 @@ def parse_source(spec):
 
 
 def check_conversation(messages, where):
+    """A conversation is an optional system message, then user and assistant messages taking turns, user first:
+    the shape the model is asked to continue at chat time. Anything else is an error naming where it is."""
     if not isinstance(messages, list) or not messages:
         die(f"{where}: empty conversation; a conversation is a non-empty list of {{role, content}} messages")
-    for m in messages:
+    for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("content"), str):
             die(f"{where}: a message without text content; each message is {{\"role\": ..., \"content\": \"...\"}}")
-        if m.get("role") not in ROLE_TOKENS:
-            die(f"{where}: unknown role {m.get('role')!r}; roles are {', '.join(ROLE_TOKENS)}")
+        role = m.get("role")
+        if not isinstance(role, str) or role not in ROLE_TOKENS:
+            die(f"{where}: unknown role {role!r}; roles are {', '.join(ROLE_TOKENS)}")
+        turn = i - (messages[0]["role"] == "system")
+        expected = "system" if turn < 0 else ("user", "assistant")[turn % 2]
+        if role != expected:
+            die(f"{where}: message {i + 1} is {role}, expected {expected}; after an optional system message, "
+                f"user and assistant take turns, user first")
     return messages
 
 
@@ -947,19 +1099,27 @@ def mmlu_conversation(question, choices, answer):
 
 
 def read_jsonl(path):
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:
         for line_no, line in enumerate(f, 1):
             if line.strip():
                 try:
-                    yield json.loads(line), f"{path}:{line_no}"
+                    yield json.loads(line.decode("utf-8")), f"{path}:{line_no}"
+                except UnicodeDecodeError:
+                    die(f"{path}:{line_no} is not UTF-8 text; convert the file to UTF-8")
                 except ValueError:
                     die(f"{path}:{line_no} is not valid JSON; fix or remove that line")
 
 
 def read_mmlu_csv(path):
     """MMLU rows: with a header (question, choice0..3, answer 0-3) or hendrycks' headerless (..., A-D)."""
-    with open(path, encoding="utf-8", newline="") as f:
-        rows = list(csv.reader(f))
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line_no = data[:e.start].count(b"\n") + 1
+        die(f"{path}:{line_no} is not UTF-8 text; convert the file to UTF-8")
+    rows = list(csv.reader(io.StringIO(text, newline="")))
     if rows and rows[0][0] == "question":
         rows = rows[1:]
     for line_no, row in enumerate(rows, 2):
@@ -1003,8 +1163,8 @@ def load_source(kind, path):
             continue
         for row, where in read_jsonl(f):
             if kind == "gsm8k":
-                if not isinstance(row, dict) or not {"question", "answer"} <= row.keys():
-                    die(f"{where}: a GSM8K row needs question and answer")
+                if not isinstance(row, dict) or not all(isinstance(row.get(k), str) for k in ("question", "answer")):
+                    die(f"{where}: a GSM8K row needs question and answer, both strings")
                 messages = gsm8k_conversation(row)
             else:
                 messages = row.get("messages") if isinstance(row, dict) else row
@@ -1143,6 +1303,8 @@ def main(argv=None):
     rank, local_rank, world_size, device = init_distributed(args.device)
     device_type = device.split(":")[0]
     master = rank == 0
+    if master:
+        prepare_out_dir(args.out_dir, "--out_dir")
 
     # ---- model: a checkpoint of ours to resume or start from, or OpenAI's
     checkpoint = None

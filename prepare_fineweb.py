@@ -41,9 +41,11 @@ def get_args(argv=None):
     p.add_argument("--text_field", default="text", help="field holding the text in .jsonl/.parquet/datasets rows")
     p.add_argument("--out_dir", help="where shards go (default data/<dataset>-<sample>, or data/demo with --demo)")
     p.add_argument("--prefix", help="shard file name prefix (default: the out_dir's name)")
-    p.add_argument("--shard_size", type=int, default=100_000_000, help="tokens per shard")
-    p.add_argument("--max_shards", type=int, default=0, help="stop after this many shards in all (0: whole source)")
-    p.add_argument("--workers", type=int, default=os.cpu_count(), help="tokenizer processes (default: all cores)")
+    p.add_argument("--shard_size", type=ranged(int, 1, 2**31 - 1), default=100_000_000,
+                   help="tokens per shard (at most 2^31 - 1, the header's int32 count)")
+    p.add_argument("--max_shards", type=nonneg_int, default=0, help="stop after this many shards in all (0: whole source)")
+    p.add_argument("--workers", type=ranged(int, 1, 1024), default=os.cpu_count(),
+                   help="tokenizer processes (default: all cores)")
     p.add_argument("--demo", action="store_true",
                    help="tokenize the Python standard library's source into data/demo (offline, for train_gpt2.py --demo)")
     args = p.parse_args(argv)
@@ -55,8 +57,6 @@ def get_args(argv=None):
     if {"train", "val"} & set(re.split(r"[_.]", args.prefix)):  # train_gpt2.py tells the split by that word
         die(f"the shard name prefix '{args.prefix}' (from --prefix or the out_dir's name) holds the word train or val, "
             f"which names a shard's split; set another --prefix")
-    if args.shard_size < 1 or args.workers < 1:
-        die("--shard_size and --workers must be positive")
     return args
 
 
@@ -74,7 +74,75 @@ class HelpFormatter(argparse.HelpFormatter):
         if action.default in (None, False, argparse.SUPPRESS) or "default" in action.help:
             return action.help
         return action.help + (" (default: %(default)r)" if isinstance(action.default, str) else " (default: %(default)s)")
+
+
+def ranged(kind, low=None, high=None, low_open=False):
+    """An argparse type: a `kind` (int or float) in [low, high], or (low, high] with low_open. A bad value is then
+    a one-line error at parse time that names the flag and the range, e.g. `argument --lr: ...`."""
+    name = "an integer" if kind is int else "a number"
+    bounds = " and ".join(([f"> {low}" if low_open else f">= {low}"] if low is not None else [])
+                          + ([f"<= {high}"] if high is not None else []))
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {name}; give {name} {bounds}".rstrip())
+        if not abs(value) < float("inf") or (low is not None and (value <= low if low_open else value < low)) \
+                or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{text} is out of range; give {name} {bounds}")
+        return value
+    return parse
+
+
+positive_int, nonneg_int = ranged(int, 1), ranged(int, 0)
+positive_float, nonneg_float = ranged(float, 0, low_open=True), ranged(float, 0)
+fraction = ranged(float, 0, 1)  # a share or a ratio, 0 to 1
+unit_interval = ranged(float, 0, 1, low_open=True)  # a probability mass such as top_p: (0, 1]
+seed_int = ranged(int, 0, 2**32 - 1)  # what every RNG we seed takes
 # ---- end shared: cli ----
+
+
+# ---- shared: files ----
+def prepare_out_dir(path, flag):
+    """Create an output folder and check that it can be written, before any work starts. Remove the *.tmp files
+    that a killed save left there: finished files are renamed from them, so a .tmp is never the only copy."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write_check_{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        die(f"{flag} {path} cannot be created or written ({e.strerror or type(e).__name__}); "
+            f"give another folder or fix its permissions")
+    stale = [f for f in sorted(glob.glob(os.path.join(path, "*.tmp"))) if os.path.isfile(f)]
+    for f in stale:
+        os.remove(f)
+    if stale:
+        print(f"removed {len(stale)} stale temp file(s) of a killed save from {path}: "
+              f"{', '.join(os.path.basename(f) for f in stale)}", file=sys.stderr)
+
+
+def fsync_file(f):
+    """Flush an open file to the disk itself, before it is renamed into place."""
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def rename_synced(tmp_path, path):
+    """Rename a written and fsynced temp file into place, then fsync the folder so that the rename is on disk too:
+    after a machine crash there is the old file or the new one, never a renamed but empty one."""
+    os.replace(tmp_path, path)
+    try:
+        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:  # some filesystems cannot fsync a folder; the file itself is on disk already
+        pass
+# ---- end shared: files ----
 
 
 # ---- shared: tokenizer ----
@@ -123,18 +191,28 @@ def expand_inputs(patterns):
     return files
 
 
-def local_documents(files, text_field):
+def local_documents(files, text_field, not_utf8):
+    """Documents of local files. A .txt (.md, .py) file with bytes that are not UTF-8 is read with them replaced
+    by U+FFFD, as text scraped from the web often has a few; its path goes into not_utf8, which main reports.
+    In .jsonl and .parquet, where a row is data, such a row or a text that is not a string is an error."""
     for path in files:
         try:
             if not path.endswith((".jsonl", ".parquet")):
-                with open(path, encoding="utf-8", errors="replace") as f:
-                    yield f.read()
+                with open(path, "rb") as f:
+                    data = f.read()
+                try:
+                    yield data.decode("utf-8")
+                except UnicodeDecodeError:
+                    not_utf8.append(path)
+                    yield data.decode("utf-8", errors="replace")
             elif path.endswith(".jsonl"):
-                with open(path, encoding="utf-8") as f:
+                with open(path, "rb") as f:
                     for line_no, line in enumerate(f, 1):
                         if line.strip():
                             try:
-                                row = json.loads(line)
+                                row = json.loads(line.decode("utf-8"))
+                            except UnicodeDecodeError:
+                                die(f"{path}:{line_no} is not UTF-8 text; convert the file to UTF-8")
                             except ValueError:
                                 die(f"{path}:{line_no} is not valid JSON; fix or remove that line")
                             yield row_text(row, text_field, f"{path}:{line_no}")
@@ -143,15 +221,22 @@ def local_documents(files, text_field):
                 parquet = pq.ParquetFile(path)
                 if text_field not in parquet.schema_arrow.names:
                     die(f"{path} has no column '{text_field}' (it has {parquet.schema_arrow.names}); set --text_field")
+                row = 0
                 for batch in parquet.iter_batches(columns=[text_field]):
-                    yield from batch.column(0).to_pylist()
-        except (OSError, UnicodeDecodeError, ValueError) as e:
+                    for text in batch.column(0).to_pylist():
+                        yield row_text({text_field: text}, text_field, f"{path} row {row}")
+                        row += 1
+        except (OSError, ValueError) as e:
             die(f"cannot read {path} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); check the file")
 
 
 def row_text(row, text_field, where):
+    """The row's text, checked here in the main process: a bad row is then an error naming it, not a traceback
+    from a tokenizer worker."""
     if not isinstance(row, dict) or text_field not in row:
         die(f"{where} has no field '{text_field}'; set --text_field")
+    if not isinstance(row[text_field], str):
+        die(f"{where}: '{text_field}' is {type(row[text_field]).__name__}, not a string; fix or remove that row")
     return row[text_field]
 
 
@@ -219,13 +304,34 @@ def write_shard(path, tokens):
     with open(path + ".tmp", "wb") as f:
         f.write(header.tobytes())
         f.write(tokens.tobytes())
-    os.replace(path + ".tmp", path)
+        fsync_file(f)
+    rename_synced(path + ".tmp", path)
 
 
 def write_manifest(path, manifest):
     with open(path + ".tmp", "w") as f:
         json.dump(manifest, f, indent=1)
-    os.replace(path + ".tmp", path)
+        fsync_file(f)
+    rename_synced(path + ".tmp", path)
+
+
+def read_manifest(path):
+    """The progress an earlier run recorded, or None where there is none; a damaged manifest.json (a crash while
+    it was written) counts as no progress, so every shard is made again: a line says so."""
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+        if not isinstance(manifest, dict) or not {"source", "shard_size", "shards", "tokens", "complete"} <= manifest.keys() \
+                or not all(isinstance(s, dict) and {"file", "tokens", "end_doc", "end_offset"} <= s.keys()
+                           for s in manifest["shards"]):
+            raise ValueError("not a manifest")
+    except (OSError, ValueError, TypeError) as e:
+        print(f"{path} is unreadable ({type(e).__name__}); its progress is lost, so the shards are made again "
+              f"from the first one", file=sys.stderr)
+        return None
+    return manifest
 
 
 def batched(iterable, n):
@@ -236,26 +342,26 @@ def batched(iterable, n):
 
 def main(argv=None):
     args = get_args(argv)
+    not_utf8 = []  # .txt files whose non-UTF-8 bytes were replaced
     if args.demo:
         files, source = demo_files(), f"python stdlib source ({sysconfig.get_paths()['stdlib']})"
-        documents = local_documents(files, args.text_field)
+        documents = local_documents(files, args.text_field, not_utf8)
     elif args.input:
         files = expand_inputs(args.input)
         source = f"local files: {' '.join(args.input)}"
-        documents = local_documents(files, args.text_field)
+        documents = local_documents(files, args.text_field, not_utf8)
     else:
         source = f"hub: {args.hf_dataset or HUB_DATASETS[args.dataset] + ' sample-' + args.sample}"
         documents = hub_documents(args)
 
     # ---- pick up where an earlier run with the same flags stopped
-    os.makedirs(args.out_dir, exist_ok=True)
+    prepare_out_dir(args.out_dir, "--out_dir")
     manifest_path = os.path.join(args.out_dir, "manifest.json")
     manifest = dict(source=source, tokenizer="gpt2 (tiktoken)", eot_token=EOT_TOKEN, shard_size=args.shard_size,
                     format="llm.c .bin: 256 int32 header (20240520, 1, num_tokens), then uint16 tokens",
                     shards=[], documents=0, tokens=0, complete=False)
-    if os.path.exists(manifest_path):
-        with open(manifest_path) as f:
-            previous = json.load(f)
+    previous = read_manifest(manifest_path)
+    if previous is not None:
         if (previous["source"], previous["shard_size"]) != (source, args.shard_size):
             die(f"{args.out_dir} holds shards of another source or shard size; use another --out_dir or empty it")
         done = []  # the longest prefix of shards 0..k-1 all on disk and whole: the token stream goes on from there
@@ -289,7 +395,11 @@ def main(argv=None):
     # ---- tokenize in parallel, in order, and cut the stream into shards
     from tqdm import tqdm
 
-    buffer = np.empty(args.shard_size, dtype=np.uint16)
+    try:
+        buffer = np.empty(args.shard_size, dtype=np.uint16)
+    except MemoryError:
+        die(f"--shard_size {args.shard_size:,} needs {2 * args.shard_size / 2**30:.1f} GiB of memory, more than there is; "
+            f"lower it")
     fill, doc_index, t0 = 0, start_doc, time.time()
     progress = tqdm(unit="tok", unit_scale=True, desc="tokenizing", disable=None)
     documents = itertools.islice(documents, start_doc, None)
@@ -330,6 +440,9 @@ def main(argv=None):
         while pending and not enough():
             add(pending.popleft().get())
     progress.close()
+    if not_utf8:
+        print(f"{len(not_utf8)} text file(s) held bytes that are not UTF-8; they were read with those bytes replaced "
+              f"by U+FFFD (first: {not_utf8[0]})", file=sys.stderr)
     if fill and not enough():
         finish_shard(doc_index, 0)
     if len(manifest["shards"]) < 2:

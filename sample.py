@@ -33,12 +33,12 @@ def get_args(argv=None):
     p.add_argument("--hf", choices=list(MODEL_SIZES), help="OpenAI's GPT-2 weights through transformers instead")
     p.add_argument("--prompt", help="prompt text (default: read stdin if it is piped, else start from <|endoftext|>)")
     p.add_argument("--prompt_file", help="read the prompt from this file")
-    p.add_argument("--num_samples", type=int, default=1, help="samples to generate")
-    p.add_argument("--max_new_tokens", type=int, default=256, help="new tokens per sample at most")
-    p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature; 0 is greedy")
-    p.add_argument("--top_k", type=int, default=50, help="sample among the k likeliest tokens (0: all)")
-    p.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling: the likeliest tokens up to this mass")
-    p.add_argument("--seed", type=int, default=1337, help="random seed; the same seed gives the same samples")
+    p.add_argument("--num_samples", type=positive_int, default=1, help="samples to generate")
+    p.add_argument("--max_new_tokens", type=positive_int, default=256, help="new tokens per sample at most")
+    p.add_argument("--temperature", type=nonneg_float, default=1.0, help="softmax temperature; 0 is greedy")
+    p.add_argument("--top_k", type=nonneg_int, default=50, help="sample among the k likeliest tokens (0: all)")
+    p.add_argument("--top_p", type=unit_interval, default=1.0, help="nucleus sampling: the likeliest tokens up to this mass")
+    p.add_argument("--seed", type=seed_int, default=1337, help="random seed; the same seed gives the same samples")
     p.add_argument("--no_cache", action="store_true", help="recompute the whole context every token (slow; for checks)")
     p.add_argument("--chat", action="store_true", help="interactive multi-turn chat with a mid_train.py checkpoint")
     p.add_argument("--device", default="auto", help="auto, cuda, mps or cpu")
@@ -52,6 +52,8 @@ def get_args(argv=None):
     args = p.parse_args(argv)
     if (args.ckpt is None) == (args.hf is None):
         die("give a checkpoint with --ckpt, or --hf gpt2 for OpenAI's weights")
+    if args.prompt_file and not os.path.isfile(args.prompt_file):
+        die(f"--prompt_file {args.prompt_file} does not exist")
     return args
 
 
@@ -69,6 +71,32 @@ class HelpFormatter(argparse.HelpFormatter):
         if action.default in (None, False, argparse.SUPPRESS) or "default" in action.help:
             return action.help
         return action.help + (" (default: %(default)r)" if isinstance(action.default, str) else " (default: %(default)s)")
+
+
+def ranged(kind, low=None, high=None, low_open=False):
+    """An argparse type: a `kind` (int or float) in [low, high], or (low, high] with low_open. A bad value is then
+    a one-line error at parse time that names the flag and the range, e.g. `argument --lr: ...`."""
+    name = "an integer" if kind is int else "a number"
+    bounds = " and ".join(([f"> {low}" if low_open else f">= {low}"] if low is not None else [])
+                          + ([f"<= {high}"] if high is not None else []))
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {name}; give {name} {bounds}".rstrip())
+        if not abs(value) < float("inf") or (low is not None and (value <= low if low_open else value < low)) \
+                or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{text} is out of range; give {name} {bounds}")
+        return value
+    return parse
+
+
+positive_int, nonneg_int = ranged(int, 1), ranged(int, 0)
+positive_float, nonneg_float = ranged(float, 0, low_open=True), ranged(float, 0)
+fraction = ranged(float, 0, 1)  # a share or a ratio, 0 to 1
+unit_interval = ranged(float, 0, 1, low_open=True)  # a probability mass such as top_p: (0, 1]
+seed_int = ranged(int, 0, 2**32 - 1)  # what every RNG we seed takes
 # ---- end shared: cli ----
 
 
@@ -293,13 +321,31 @@ class GPT(nn.Module):
             from transformers import GPT2LMHeadModel
         except ImportError:
             die(f"loading {model_type} needs transformers: pip install transformers")
-        try:
-            hf_model = GPT2LMHeadModel.from_pretrained(model_type)
-        except OSError as e:
-            die(f"could not load OpenAI's {model_type} weights ({str(e).splitlines()[0]}); go online once to cache them")
+        try:  # the cache first: offline, transformers would retry the hub for ~20 s before failing
+            hf_model = GPT2LMHeadModel.from_pretrained(model_type, local_files_only=True)
+        except OSError:
+            if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") or not hub_reachable():
+                die(f"OpenAI's {model_type} weights are not in the Hugging Face cache and the hub cannot be reached; "
+                    f"go online once to download them")
+            try:
+                hf_model = GPT2LMHeadModel.from_pretrained(model_type)
+            except OSError as e:
+                die(f"could not load OpenAI's {model_type} weights ({str(e).splitlines()[0]}); go online once to cache them")
         model = cls(GPTConfig(**MODEL_SIZES[model_type]))
         model.load_hf_state_dict(hf_model.state_dict())
         return model
+
+
+def hub_reachable(timeout=3):
+    """A quick probe of the Hugging Face hub (HF_ENDPOINT where a mirror is set), so that offline fails at once."""
+    import socket
+    from urllib.parse import urlparse
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or (80 if url.scheme == "http" else 443)), timeout).close()
+        return True
+    except (OSError, ValueError):
+        return False
 # ---- end shared: model ----
 
 
@@ -309,16 +355,31 @@ def init_distributed(device_arg="auto"):
     Returns (rank, local_rank, world_size, device)."""
     if device_arg == "auto":
         device_arg = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    check_device(device_arg)
     if "RANK" not in os.environ:
         return 0, 0, 1, device_arg
     rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     if device_arg.startswith("cuda"):
         device_arg = f"cuda:{local_rank}"
+        check_device(device_arg)
         torch.cuda.set_device(device_arg)
         dist.init_process_group("nccl", device_id=torch.device(device_arg))
     else:
         dist.init_process_group("gloo")
     return rank, local_rank, world_size, device_arg
+
+
+def check_device(device):
+    """A one-line error for a device this machine does not have, or a name torch would not take."""
+    kind, _, index = device.partition(":")
+    if kind not in ("cuda", "mps", "cpu") or (index and (kind != "cuda" or not index.isdigit())):
+        die(f"--device {device} is not a device name; give auto, cpu, mps, cuda or cuda:N")
+    if kind == "cuda" and not torch.cuda.is_available():
+        die(f"--device {device}: CUDA is not available here (torch {torch.__version__}); use --device cpu (or auto)")
+    if kind == "cuda" and index and int(index) >= torch.cuda.device_count():
+        die(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), numbered from 0")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        die("--device mps: MPS (Apple GPU) is not available here; use --device cpu (or auto)")
 
 
 def autocast_dtype(dtype_arg, device_type, width=768):
@@ -377,10 +438,16 @@ def save_checkpoint(checkpoint, out_dir, step, keep):
     """Written to a temp file and renamed, so a checkpoint on disk is never partial; keeps the newest `keep`."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"ckpt_{step:07d}.pt")
-    torch.save(checkpoint, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    if os.path.isdir(path):  # a folder in the way, which --resume passed over: moved aside, never deleted
+        os.replace(path, path + f".folder_{int(time.time())}")
+        print(f"moved the folder {path} aside to {path}.folder_* to save the checkpoint there", file=sys.stderr)
+    with open(path + ".tmp", "wb") as f:
+        torch.save(checkpoint, f)
+        fsync_file(f)
+    rename_synced(path + ".tmp", path)
     for old in sorted(glob.glob(os.path.join(out_dir, CHECKPOINT_GLOB)))[:-keep]:
-        os.remove(old)
+        if os.path.isfile(old):
+            os.remove(old)
     return path
 
 
@@ -392,18 +459,39 @@ def find_checkpoint(path):
     return found[-1] if found else None
 
 
-def load_checkpoint(path, device="cpu"):
-    """Load a checkpoint of train_gpt2.py or mid_train.py; a missing or foreign file is a one-line error."""
-    found = find_checkpoint(path)
-    if found is None:
-        die(f"no checkpoint at {path}: give a ckpt_*.pt file or an out_dir holding one")
+def read_checkpoint(path, device="cpu", mmap=False):
+    """(checkpoint, None), or (None, why it is not a readable checkpoint of train_gpt2.py or mid_train.py)."""
     try:
-        checkpoint = torch.load(found, map_location=device, weights_only=True)
+        checkpoint = torch.load(path, map_location=device, weights_only=True, mmap=mmap)  # mmap: tensors read lazily
     except Exception as e:
-        die(f"{found} is not a readable checkpoint ({type(e).__name__}); give one written by train_gpt2.py or mid_train.py")
+        return None, f"{path} is not a readable checkpoint ({type(e).__name__})"
     if not isinstance(checkpoint, dict) or not {"model", "config"} <= checkpoint.keys():
-        die(f"{found} is not a train_gpt2.py/mid_train.py checkpoint (no model and config in it)")
-    return checkpoint, found
+        return None, f"{path} is not a train_gpt2.py/mid_train.py checkpoint (no model and config in it)"
+    return checkpoint, None
+
+
+def load_checkpoint(path, device="cpu", mmap=False):
+    """Load a checkpoint file, or the newest readable one in an out_dir: an unreadable newest one (a truncated,
+    empty or foreign file) is passed over with a line. A missing or unreadable checkpoint is a one-line error."""
+    if os.path.isfile(path):
+        checkpoint, problem = read_checkpoint(path, device, mmap)
+        if problem:
+            die(f"{problem}; give one written by train_gpt2.py or mid_train.py")
+        return checkpoint, path
+    found = sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)))
+    if not found:
+        die(f"no checkpoint at {path}: give a ckpt_*.pt file or an out_dir holding one")
+    problems = []
+    for candidate in reversed(found):
+        checkpoint, problem = read_checkpoint(candidate, device, mmap)
+        if not problem:
+            if problems and int(os.environ.get("RANK", 0)) == 0:
+                print(f"passing over {len(problems)} newer checkpoint(s): {'; '.join(problems)}; using {candidate}",
+                      file=sys.stderr)
+            return checkpoint, candidate
+        problems.append(problem)
+    die(f"none of the {len(found)} checkpoints in {path} is readable ({problems[0]}); start afresh without --resume "
+        f"or give another checkpoint")
 
 
 def model_from_checkpoint(checkpoint):
@@ -501,6 +589,18 @@ def main(argv=None):
     args = get_args(argv)
     _, _, _, device = init_distributed(args.device)
     device_type = device.split(":")[0]
+    try:  # the prompt first: a bad one fails before the model loads
+        if args.chat:
+            prompt = None
+        elif args.prompt_file:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                prompt = f.read()
+        elif args.prompt is not None:
+            prompt = args.prompt
+        else:
+            prompt = "" if sys.stdin.isatty() else sys.stdin.read()
+    except UnicodeDecodeError:
+        die(f"the prompt ({args.prompt_file or 'stdin'}) is not UTF-8 text; convert it, e.g. with iconv")
     if args.hf:
         model, kind = GPT.from_pretrained(args.hf), "base"
     else:
@@ -528,12 +628,6 @@ def main(argv=None):
             die("--chat needs a checkpoint of mid_train.py (this one is a base model); sample with a --prompt instead")
         return chat(enc, generate_from)
 
-    if args.prompt_file:
-        prompt = open(args.prompt_file).read()
-    elif args.prompt is not None:
-        prompt = args.prompt
-    else:
-        prompt = "" if sys.stdin.isatty() else sys.stdin.read()
     prompt_ids = enc.encode_ordinary(prompt) if prompt else [EOT_TOKEN]
     if len(prompt_ids) >= model.config.block_size:
         prompt_ids = prompt_ids[-(model.config.block_size - 1):]  # keep the end: that is what gets continued

@@ -45,31 +45,31 @@ def get_args(argv=None):
     p.error = lambda message: die(message)  # one-line errors, exit code 2
     # model
     p.add_argument("--model", default="gpt2", choices=list(MODEL_SIZES), help="model size to train from scratch")
-    p.add_argument("--n_layer", type=int, help="override the number of transformer blocks")
-    p.add_argument("--n_head", type=int, help="override the number of attention heads")
-    p.add_argument("--n_embd", type=int, help="override the embedding width")
-    p.add_argument("--block_size", type=int, help="override the model's context length (default 1024)")
+    p.add_argument("--n_layer", type=positive_int, help="override the number of transformer blocks")
+    p.add_argument("--n_head", type=positive_int, help="override the number of attention heads")
+    p.add_argument("--n_embd", type=positive_int, help="override the embedding width")
+    p.add_argument("--block_size", type=positive_int, help="override the model's context length (default 1024)")
     p.add_argument("--init_from", choices=list(MODEL_SIZES), help="start from OpenAI's weights (needs transformers)")
     # data
     p.add_argument("--data_dir", default="data/fineweb-edu-10BT", help="folder of [PREFIX_]train_N / val_N token shards")
     p.add_argument("--data_order", default="shuffled", choices=["shuffled", "sequential"],
                    help="shuffled: shards and their steps in a seeded new order each epoch; sequential: file order")
-    p.add_argument("--seq_len", type=int, default=1024, help="tokens per training sequence (at most the context length)")
-    p.add_argument("--micro_batch_size", type=int, default=64, help="sequences per forward pass on each process")
-    p.add_argument("--total_batch_size", type=int, default=524288, help="tokens per optimizer step, over all processes")
+    p.add_argument("--seq_len", type=positive_int, default=1024, help="tokens per training sequence (at most the context length)")
+    p.add_argument("--micro_batch_size", type=positive_int, default=64, help="sequences per forward pass on each process")
+    p.add_argument("--total_batch_size", type=positive_int, default=524288, help="tokens per optimizer step, over all processes")
     # optimization
-    p.add_argument("--max_steps", type=int, default=19073, help="optimizer steps (19073 x 2^19 tokens = 10B)")
-    p.add_argument("--warmup_steps", type=int, default=715, help="linear learning-rate warm-up steps")
-    p.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (AdamW)")
-    p.add_argument("--min_lr_ratio", type=float, default=0.1, help="cosine decay ends at lr * this")
-    p.add_argument("--weight_decay", type=float, default=0.1, help="weight decay on 2-D weights")
-    p.add_argument("--grad_clip", type=float, default=1.0, help="clip the gradient norm to this (0: off)")
+    p.add_argument("--max_steps", type=positive_int, default=19073, help="optimizer steps (19073 x 2^19 tokens = 10B)")
+    p.add_argument("--warmup_steps", type=nonneg_int, default=715, help="linear learning-rate warm-up steps")
+    p.add_argument("--lr", type=positive_float, default=6e-4, help="peak learning rate (AdamW)")
+    p.add_argument("--min_lr_ratio", type=fraction, default=0.1, help="cosine decay ends at lr * this")
+    p.add_argument("--weight_decay", type=nonneg_float, default=0.1, help="weight decay on 2-D weights")
+    p.add_argument("--grad_clip", type=nonneg_float, default=1.0, help="clip the gradient norm to this (0: off)")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
                    help="adamw, or muon for the 2-D weights inside the blocks with adamw for the rest")
-    p.add_argument("--muon_lr", type=float, default=0.02, help="peak learning rate of Muon (--optimizer muon)")
-    p.add_argument("--muon_momentum", type=float, default=0.95, help="Muon momentum, reached after --muon_momentum_warmup steps")
-    p.add_argument("--muon_momentum_warmup", type=int, default=300, help="steps over which Muon's momentum rises from 0.85")
-    p.add_argument("--seed", type=int, default=1337, help="random seed")
+    p.add_argument("--muon_lr", type=positive_float, default=0.02, help="peak learning rate of Muon (--optimizer muon)")
+    p.add_argument("--muon_momentum", type=fraction, default=0.95, help="Muon momentum, reached after --muon_momentum_warmup steps")
+    p.add_argument("--muon_momentum_warmup", type=nonneg_int, default=300, help="steps over which Muon's momentum rises from 0.85")
+    p.add_argument("--seed", type=seed_int, default=1337, help="random seed")
     # precision and speed
     p.add_argument("--device", default="auto", help="auto, cuda, cuda:N, mps or cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
@@ -79,20 +79,20 @@ def get_args(argv=None):
     p.add_argument("--compile", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
                    help="torch.compile the model; auto: on for CUDA, and for CPU where a C++ compiler is found")
     # eval, sampling, checkpoints, logging
-    p.add_argument("--eval_every", type=int, default=250, help="val loss and samples every N steps (and at the end)")
-    p.add_argument("--val_tokens", type=int, default=10485760, help="tokens of the val shard each eval reads")
-    p.add_argument("--num_samples", type=int, default=4, help="samples printed at each eval (0: none)")
-    p.add_argument("--sample_len", type=int, default=32, help="new tokens per sample")
+    p.add_argument("--eval_every", type=positive_int, default=250, help="val loss and samples every N steps (and at the end)")
+    p.add_argument("--val_tokens", type=positive_int, default=10485760, help="tokens of the val shard each eval reads")
+    p.add_argument("--num_samples", type=nonneg_int, default=4, help="samples printed at each eval (0: none)")
+    p.add_argument("--sample_len", type=positive_int, default=32, help="new tokens per sample")
     p.add_argument("--prompt", default="Hello, I'm a language model,", help="prompt of the in-loop samples")
     p.add_argument("--hellaswag_file", help="HellaSwag .jsonl to evaluate in the loop (see hellaswag.py)")
-    p.add_argument("--hellaswag_every", type=int, default=250, help="HellaSwag eval every N steps when a file is given")
-    p.add_argument("--hellaswag_limit", type=int, default=0, help="examples per HellaSwag eval (0: all)")
+    p.add_argument("--hellaswag_every", type=positive_int, default=250, help="HellaSwag eval every N steps when a file is given")
+    p.add_argument("--hellaswag_limit", type=nonneg_int, default=0, help="examples per HellaSwag eval (0: all)")
     p.add_argument("--out_dir", default="out", help="checkpoints, log.jsonl and wandb files go here")
-    p.add_argument("--save_every", type=int, default=1000, help="checkpoint every N steps (and at the end)")
-    p.add_argument("--keep_checkpoints", type=int, default=3, help="newest checkpoints kept in out_dir")
+    p.add_argument("--save_every", type=positive_int, default=1000, help="checkpoint every N steps (and at the end)")
+    p.add_argument("--keep_checkpoints", type=positive_int, default=3, help="newest checkpoints kept in out_dir")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in out_dir")
-    p.add_argument("--log_every", type=int, default=1, help="print a step line every N steps")
-    p.add_argument("--peak_flops", type=float, help="device peak FLOP/s for MFU (known GPUs are detected)")
+    p.add_argument("--log_every", type=positive_int, default=1, help="print a step line every N steps")
+    p.add_argument("--peak_flops", type=positive_float, help="device peak FLOP/s for MFU (known GPUs are detected)")
     p.add_argument("--wandb_project", help="log to this wandb project (WANDB_MODE=offline works)")
     p.add_argument("--wandb_run_name", help="wandb run name")
     p.add_argument("--demo", action="store_true", help="preset: a small GPT on data/demo (prepare_fineweb.py --demo)")
@@ -120,7 +120,75 @@ class HelpFormatter(argparse.HelpFormatter):
         if action.default in (None, False, argparse.SUPPRESS) or "default" in action.help:
             return action.help
         return action.help + (" (default: %(default)r)" if isinstance(action.default, str) else " (default: %(default)s)")
+
+
+def ranged(kind, low=None, high=None, low_open=False):
+    """An argparse type: a `kind` (int or float) in [low, high], or (low, high] with low_open. A bad value is then
+    a one-line error at parse time that names the flag and the range, e.g. `argument --lr: ...`."""
+    name = "an integer" if kind is int else "a number"
+    bounds = " and ".join(([f"> {low}" if low_open else f">= {low}"] if low is not None else [])
+                          + ([f"<= {high}"] if high is not None else []))
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {name}; give {name} {bounds}".rstrip())
+        if not abs(value) < float("inf") or (low is not None and (value <= low if low_open else value < low)) \
+                or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{text} is out of range; give {name} {bounds}")
+        return value
+    return parse
+
+
+positive_int, nonneg_int = ranged(int, 1), ranged(int, 0)
+positive_float, nonneg_float = ranged(float, 0, low_open=True), ranged(float, 0)
+fraction = ranged(float, 0, 1)  # a share or a ratio, 0 to 1
+unit_interval = ranged(float, 0, 1, low_open=True)  # a probability mass such as top_p: (0, 1]
+seed_int = ranged(int, 0, 2**32 - 1)  # what every RNG we seed takes
 # ---- end shared: cli ----
+
+
+# ---- shared: files ----
+def prepare_out_dir(path, flag):
+    """Create an output folder and check that it can be written, before any work starts. Remove the *.tmp files
+    that a killed save left there: finished files are renamed from them, so a .tmp is never the only copy."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write_check_{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        die(f"{flag} {path} cannot be created or written ({e.strerror or type(e).__name__}); "
+            f"give another folder or fix its permissions")
+    stale = [f for f in sorted(glob.glob(os.path.join(path, "*.tmp"))) if os.path.isfile(f)]
+    for f in stale:
+        os.remove(f)
+    if stale:
+        print(f"removed {len(stale)} stale temp file(s) of a killed save from {path}: "
+              f"{', '.join(os.path.basename(f) for f in stale)}", file=sys.stderr)
+
+
+def fsync_file(f):
+    """Flush an open file to the disk itself, before it is renamed into place."""
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def rename_synced(tmp_path, path):
+    """Rename a written and fsynced temp file into place, then fsync the folder so that the rename is on disk too:
+    after a machine crash there is the old file or the new one, never a renamed but empty one."""
+    os.replace(tmp_path, path)
+    try:
+        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:  # some filesystems cannot fsync a folder; the file itself is on disk already
+        pass
+# ---- end shared: files ----
 
 
 # ---- shared: progress ----
@@ -323,13 +391,31 @@ class GPT(nn.Module):
             from transformers import GPT2LMHeadModel
         except ImportError:
             die(f"loading {model_type} needs transformers: pip install transformers")
-        try:
-            hf_model = GPT2LMHeadModel.from_pretrained(model_type)
-        except OSError as e:
-            die(f"could not load OpenAI's {model_type} weights ({str(e).splitlines()[0]}); go online once to cache them")
+        try:  # the cache first: offline, transformers would retry the hub for ~20 s before failing
+            hf_model = GPT2LMHeadModel.from_pretrained(model_type, local_files_only=True)
+        except OSError:
+            if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") or not hub_reachable():
+                die(f"OpenAI's {model_type} weights are not in the Hugging Face cache and the hub cannot be reached; "
+                    f"go online once to download them")
+            try:
+                hf_model = GPT2LMHeadModel.from_pretrained(model_type)
+            except OSError as e:
+                die(f"could not load OpenAI's {model_type} weights ({str(e).splitlines()[0]}); go online once to cache them")
         model = cls(GPTConfig(**MODEL_SIZES[model_type]))
         model.load_hf_state_dict(hf_model.state_dict())
         return model
+
+
+def hub_reachable(timeout=3):
+    """A quick probe of the Hugging Face hub (HF_ENDPOINT where a mirror is set), so that offline fails at once."""
+    import socket
+    from urllib.parse import urlparse
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or (80 if url.scheme == "http" else 443)), timeout).close()
+        return True
+    except (OSError, ValueError):
+        return False
 # ---- end shared: model ----
 
 
@@ -339,16 +425,31 @@ def init_distributed(device_arg="auto"):
     Returns (rank, local_rank, world_size, device)."""
     if device_arg == "auto":
         device_arg = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    check_device(device_arg)
     if "RANK" not in os.environ:
         return 0, 0, 1, device_arg
     rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     if device_arg.startswith("cuda"):
         device_arg = f"cuda:{local_rank}"
+        check_device(device_arg)
         torch.cuda.set_device(device_arg)
         dist.init_process_group("nccl", device_id=torch.device(device_arg))
     else:
         dist.init_process_group("gloo")
     return rank, local_rank, world_size, device_arg
+
+
+def check_device(device):
+    """A one-line error for a device this machine does not have, or a name torch would not take."""
+    kind, _, index = device.partition(":")
+    if kind not in ("cuda", "mps", "cpu") or (index and (kind != "cuda" or not index.isdigit())):
+        die(f"--device {device} is not a device name; give auto, cpu, mps, cuda or cuda:N")
+    if kind == "cuda" and not torch.cuda.is_available():
+        die(f"--device {device}: CUDA is not available here (torch {torch.__version__}); use --device cpu (or auto)")
+    if kind == "cuda" and index and int(index) >= torch.cuda.device_count():
+        die(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), numbered from 0")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        die("--device mps: MPS (Apple GPU) is not available here; use --device cpu (or auto)")
 
 
 def autocast_dtype(dtype_arg, device_type, width=768):
@@ -407,10 +508,16 @@ def save_checkpoint(checkpoint, out_dir, step, keep):
     """Written to a temp file and renamed, so a checkpoint on disk is never partial; keeps the newest `keep`."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"ckpt_{step:07d}.pt")
-    torch.save(checkpoint, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    if os.path.isdir(path):  # a folder in the way, which --resume passed over: moved aside, never deleted
+        os.replace(path, path + f".folder_{int(time.time())}")
+        print(f"moved the folder {path} aside to {path}.folder_* to save the checkpoint there", file=sys.stderr)
+    with open(path + ".tmp", "wb") as f:
+        torch.save(checkpoint, f)
+        fsync_file(f)
+    rename_synced(path + ".tmp", path)
     for old in sorted(glob.glob(os.path.join(out_dir, CHECKPOINT_GLOB)))[:-keep]:
-        os.remove(old)
+        if os.path.isfile(old):
+            os.remove(old)
     return path
 
 
@@ -422,18 +529,39 @@ def find_checkpoint(path):
     return found[-1] if found else None
 
 
-def load_checkpoint(path, device="cpu"):
-    """Load a checkpoint of train_gpt2.py or mid_train.py; a missing or foreign file is a one-line error."""
-    found = find_checkpoint(path)
-    if found is None:
-        die(f"no checkpoint at {path}: give a ckpt_*.pt file or an out_dir holding one")
+def read_checkpoint(path, device="cpu", mmap=False):
+    """(checkpoint, None), or (None, why it is not a readable checkpoint of train_gpt2.py or mid_train.py)."""
     try:
-        checkpoint = torch.load(found, map_location=device, weights_only=True)
+        checkpoint = torch.load(path, map_location=device, weights_only=True, mmap=mmap)  # mmap: tensors read lazily
     except Exception as e:
-        die(f"{found} is not a readable checkpoint ({type(e).__name__}); give one written by train_gpt2.py or mid_train.py")
+        return None, f"{path} is not a readable checkpoint ({type(e).__name__})"
     if not isinstance(checkpoint, dict) or not {"model", "config"} <= checkpoint.keys():
-        die(f"{found} is not a train_gpt2.py/mid_train.py checkpoint (no model and config in it)")
-    return checkpoint, found
+        return None, f"{path} is not a train_gpt2.py/mid_train.py checkpoint (no model and config in it)"
+    return checkpoint, None
+
+
+def load_checkpoint(path, device="cpu", mmap=False):
+    """Load a checkpoint file, or the newest readable one in an out_dir: an unreadable newest one (a truncated,
+    empty or foreign file) is passed over with a line. A missing or unreadable checkpoint is a one-line error."""
+    if os.path.isfile(path):
+        checkpoint, problem = read_checkpoint(path, device, mmap)
+        if problem:
+            die(f"{problem}; give one written by train_gpt2.py or mid_train.py")
+        return checkpoint, path
+    found = sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)))
+    if not found:
+        die(f"no checkpoint at {path}: give a ckpt_*.pt file or an out_dir holding one")
+    problems = []
+    for candidate in reversed(found):
+        checkpoint, problem = read_checkpoint(candidate, device, mmap)
+        if not problem:
+            if problems and int(os.environ.get("RANK", 0)) == 0:
+                print(f"passing over {len(problems)} newer checkpoint(s): {'; '.join(problems)}; using {candidate}",
+                      file=sys.stderr)
+            return checkpoint, candidate
+        problems.append(problem)
+    die(f"none of the {len(found)} checkpoints in {path} is readable ({problems[0]}); start afresh without --resume "
+        f"or give another checkpoint")
 
 
 def model_from_checkpoint(checkpoint):
@@ -494,15 +622,22 @@ def generate(model, idx, max_new_tokens, n_vocab, temperature=1.0, top_k=None, t
 def load_hellaswag(path, limit=0):
     """Examples of the official HellaSwag jsonl (ctx, endings, label), the first `limit` of them (0: all)."""
     examples = []
-    with open(path) as f:
+    with open(path, "rb") as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                ex = json.loads(line)
-                examples.append((ex["ctx"], list(ex["endings"]), int(ex["label"])))
+                ex = json.loads(line.decode("utf-8"))
+                ctx, endings, label = ex["ctx"], ex["endings"], int(ex["label"])
+            except UnicodeDecodeError:
+                die(f"{path}:{line_no} is not UTF-8 text; HellaSwag files are UTF-8 jsonl")
             except (ValueError, KeyError, TypeError):
                 die(f"{path}:{line_no} is not a HellaSwag example (jsonl with ctx, endings, label)")
+            if not isinstance(ctx, str) or not isinstance(endings, list) or len(endings) != 4 \
+                    or not all(isinstance(e, str) for e in endings) or not 0 <= label <= 3:
+                die(f"{path}:{line_no} is not a HellaSwag example: it needs a ctx string, exactly 4 endings (strings) "
+                    f"and a label 0-3")
+            examples.append((ctx, endings, label))
             if len(examples) == limit:
                 break
     return examples
@@ -675,15 +810,25 @@ def open_run_log(args, master, start_step, wandb_run_id):
         os.makedirs(args.out_dir, exist_ok=True)
         kept = []
         if start_step > 0 and os.path.exists(path):
-            with open(path) as f:
-                kept = [line for line in f if json.loads(line).get("step", 0) < start_step]
-        with open(path + ".tmp", "w") as f:
+            with open(path, "rb") as f:
+                records = [(line, log_record(line)) for line in f]
+            broken = sum(record is None for _, record in records)
+            if broken:  # a half-written line of a killed run (disk full, power loss): the rest is kept
+                print(f"{path}: dropping {broken} unreadable (half-written) line(s)", file=sys.stderr)
+            kept = [line.rstrip(b"\n") + b"\n" for line, record in records
+                    if record is not None and record.get("step", 0) < start_step]
+        with open(path + ".tmp", "wb") as f:
             f.writelines(kept)
-        os.replace(path + ".tmp", path)
+            fsync_file(f)
+        rename_synced(path + ".tmp", path)
         if args.wandb_project:
             import wandb
-            wandb_run = wandb.init(project=args.wandb_project, name=args.wandb_run_name, id=wandb_run_id,
-                                   resume="allow", config=vars(args), dir=args.out_dir)
+            try:
+                wandb_run = wandb.init(project=args.wandb_project, name=args.wandb_run_name, id=wandb_run_id,
+                                       resume="allow", config=vars(args), dir=args.out_dir)
+            except wandb.errors.Error as e:  # not logged in (and no WANDB_MODE), a bad key, no network
+                die(f"--wandb_project: wandb cannot start ({str(e).splitlines()[0]}); run `wandb login`, or set "
+                    f"WANDB_MODE=offline to log locally (wandb sync uploads it later)")
             wandb_run_id = wandb_run.id
 
     def log(record, line):
@@ -695,6 +840,15 @@ def open_run_log(args, master, start_step, wandb_run_id):
                 wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
 
     return log, wandb_run, wandb_run_id
+
+
+def log_record(line):
+    """A log.jsonl line as a dict, or None for a line that is not one whole record."""
+    try:
+        record = json.loads(line)
+    except ValueError:  # UnicodeDecodeError included
+        return None
+    return record if isinstance(record, dict) else None
 # ---- end shared: logging ----
 
 
@@ -705,6 +859,8 @@ def open_run_log(args, master, start_step, wandb_run_id):
 def load_shard(path):
     """A shard's tokens, memory-mapped: llm.c .bin (256 int32 header: magic 20240520, version 1, token count;
     then uint16 tokens) or a 1-D uint16 .npy as build-nanogpt writes them."""
+    if not os.path.isfile(path):
+        die(f"{path} is named like a shard but is not a file; move it out of the data folder")
     if path.endswith(".npy"):
         try:
             tokens = np.load(path, mmap_mode="r")
@@ -723,6 +879,8 @@ def load_shard(path):
     if header[1] != 1:
         die(f"{path} has version {header[1]}, expected 1; re-create it with prepare_fineweb.py")
     num_tokens = int(header[2])
+    if num_tokens < 0:
+        die(f"{path} has a header token count of {num_tokens}: the header is damaged; re-create it with prepare_fineweb.py")
     if os.path.getsize(path) < 256 * 4 + 2 * num_tokens:
         die(f"{path} is truncated: its header says {num_tokens} tokens; re-create it with prepare_fineweb.py")
     return np.memmap(path, dtype=np.uint16, mode="r", offset=256 * 4, shape=(num_tokens,))
@@ -1050,13 +1208,9 @@ def resume_args(args, given, fixed):
     --resume alone continues it. The `fixed` flags (the model's shape, the optimizer kind) come with the weights and
     optimizer state: a different value given is an error. Every other flag given takes effect, and one line lists
     those that differ from the checkpoint's run."""
-    path = find_checkpoint(args.out_dir)
-    if path is None:
+    if find_checkpoint(args.out_dir) is None:
         die(f"--resume found no checkpoint in {args.out_dir}; drop --resume to start afresh")
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # mmap: no tensor is read
-    except Exception as e:
-        die(f"{path} is not a readable checkpoint ({type(e).__name__}); remove it to resume from an older one")
+    checkpoint, _ = load_checkpoint(args.out_dir, mmap=True)  # the newest readable one; mmap: no tensor is read
     saved = {**checkpoint.get("args", {}), **{k: v for k, v in checkpoint.get("config", {}).items() if k in fixed}}
     changed = []
     for key, value in vars(args).items():
@@ -1122,6 +1276,10 @@ def main(argv=None):
         die(f"--total_batch_size {args.total_batch_size} is not divisible by micro_batch_size * seq_len * world_size "
             f"= {B} * {T} * {world_size}; change --total_batch_size or --micro_batch_size")
     grad_accum_steps = args.total_batch_size // (B * T * world_size)
+    if args.hellaswag_file and not os.path.isfile(args.hellaswag_file):
+        die(f"--hellaswag_file {args.hellaswag_file} does not exist; python hellaswag.py downloads it into data/hellaswag")
+    if master:
+        prepare_out_dir(args.out_dir, "--out_dir")
 
     # ---- model, or the checkpoint to resume
     checkpoint = None
@@ -1137,7 +1295,12 @@ def main(argv=None):
         config = GPTConfig(**{**MODEL_SIZES[args.model], **overrides})
         if config.n_embd % config.n_head != 0:
             die(f"--n_embd {config.n_embd} is not divisible by --n_head {config.n_head}")
-        model = GPT(config)
+        try:
+            model = GPT(config)
+        except (MemoryError, RuntimeError):  # torch reports a failed allocation as a RuntimeError
+            params = 12 * config.n_layer * config.n_embd**2 + config.vocab_size * config.n_embd
+            die(f"the model ({config.n_layer} layers x {config.n_embd} wide, ~{params / 1e9:,.1f}B parameters) does "
+                f"not fit in memory; make it smaller")
     if T > model.config.block_size:
         die(f"--seq_len {T} is beyond the model's context of {model.config.block_size}; lower --seq_len")
     raw_model = model.to(device)

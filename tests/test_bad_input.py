@@ -1,0 +1,374 @@
+"""Bad input never ends in a traceback, and a damaged run dir still resumes.
+
+A table of bad invocations of all five scripts, each run as a user would run it (the script as __main__, with real
+flags, environment and files): every one must exit with code 2 and print exactly one line on stderr, starting with
+`error:` and naming the problem. Most fail at parse time; the rest need only tiny files made here. Then the
+recoveries: an unreadable newest checkpoint, a half-written log line, stale temp files, a truncated manifest."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict
+
+import numpy as np
+import pytest
+
+from conftest import REPO, TINY, read_log, run, stdlib_files
+
+def case(name, script, *args, expect, env=None):
+    return pytest.param(script, list(args), expect, env or {}, id=name)
+
+
+OFFLINE_HUB = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": "{tmp}/hf_empty"}  # nothing listens on port 9
+NO_WANDB_LOGIN = {"WANDB_MODE": None, "WANDB_API_KEY": None, "NETRC": None, "HOME": "{tmp}/home"}
+DATA = ["--data_dir", "{tmp}/data", "--out_dir", "{tmp}/out", *TINY]  # valid tiny shards: train_gpt2 runs get far
+MID = ["--init_ckpt", "{tmp}/ckpt.pt", "--device", "cpu", "--out_dir", "{tmp}/mid"]
+
+CASES = [
+    # ---- numeric flags out of range: parse time, the message names the flag and the range
+    case("train-eval_every-0", "train_gpt2.py", "--eval_every", 0, expect="argument --eval_every"),
+    case("train-save_every-neg", "train_gpt2.py", "--save_every", -1, expect="argument --save_every"),
+    case("train-log_every-0", "train_gpt2.py", "--log_every", 0, expect="argument --log_every"),
+    case("train-micro_batch_size-0", "train_gpt2.py", "--micro_batch_size", 0, expect="argument --micro_batch_size"),
+    case("train-seq_len-neg", "train_gpt2.py", "--seq_len", -8, expect="argument --seq_len"),
+    case("train-total_batch_size-0", "train_gpt2.py", "--total_batch_size", 0, expect="argument --total_batch_size"),
+    case("train-lr-0", "train_gpt2.py", "--lr", 0, expect="argument --lr"),
+    case("train-lr-nan", "train_gpt2.py", "--lr", "nan", expect="argument --lr"),
+    case("train-lr-word", "train_gpt2.py", "--lr", "fast", expect="argument --lr"),
+    case("train-max_steps-neg", "train_gpt2.py", "--max_steps", -5, expect="argument --max_steps"),
+    case("train-keep_checkpoints-neg", "train_gpt2.py", "--keep_checkpoints", -1, expect="argument --keep_checkpoints"),
+    case("train-min_lr_ratio-2", "train_gpt2.py", "--min_lr_ratio", 2, expect="argument --min_lr_ratio"),
+    case("train-grad_clip-neg", "train_gpt2.py", "--grad_clip", -1, expect="argument --grad_clip"),
+    case("train-hellaswag_limit-neg", "train_gpt2.py", "--hellaswag_limit", -1, expect="argument --hellaswag_limit"),
+    case("train-val_tokens-0", "train_gpt2.py", "--val_tokens", 0, expect="argument --val_tokens"),
+    case("train-seed-huge", "train_gpt2.py", "--seed", 2**70, expect="argument --seed"),
+    case("mid-lr-neg", "mid_train.py", "--lr", -2e-4, expect="argument --lr"),
+    case("mid-val_fraction-1.5", "mid_train.py", "--val_fraction", 1.5, expect="argument --val_fraction"),
+    case("mid-eval_every-0", "mid_train.py", "--eval_every", 0, expect="argument --eval_every"),
+    case("mid-keep_checkpoints-0", "mid_train.py", "--keep_checkpoints", 0, expect="argument --keep_checkpoints"),
+    case("mid-max_steps-neg", "mid_train.py", "--max_steps", -1, expect="argument --max_steps"),
+    case("sample-top_p-0", "sample.py", "--ckpt", "x", "--top_p", 0, expect="argument --top_p"),
+    case("sample-top_p-1.5", "sample.py", "--ckpt", "x", "--top_p", 1.5, expect="argument --top_p"),
+    case("sample-top_k-neg", "sample.py", "--ckpt", "x", "--top_k", -3, expect="argument --top_k"),
+    case("sample-temperature-neg", "sample.py", "--ckpt", "x", "--temperature", -0.5, expect="argument --temperature"),
+    case("sample-num_samples-0", "sample.py", "--ckpt", "x", "--num_samples", 0, expect="argument --num_samples"),
+    case("hellaswag-limit-neg", "hellaswag.py", "--ckpt", "x", "--limit", -2, expect="argument --limit"),
+    case("hellaswag-batch_size-0", "hellaswag.py", "--ckpt", "x", "--batch_size", 0, expect="argument --batch_size"),
+    case("prepare-max_shards-neg", "prepare_fineweb.py", "--max_shards", -1, expect="argument --max_shards"),
+    case("prepare-workers-0", "prepare_fineweb.py", "--workers", 0, expect="argument --workers"),
+    # huge values: an error, not a MemoryError
+    case("prepare-shard_size-huge", "prepare_fineweb.py", "--shard_size", 100_000_000_000_000, expect="argument --shard_size"),
+    # ---- devices
+    case("train-device-gpu0", "train_gpt2.py", "--device", "gpu0", expect="--device gpu0"),
+    case("train-device-cuda99", "train_gpt2.py", "--device", "cuda:99", expect="--device cuda:99"),
+    case("mid-device-cuda-x", "mid_train.py", *MID[:2], "--device", "cuda:x", expect="--device cuda:x"),
+    case("sample-device-gpu", "sample.py", "--ckpt", "x", "--device", "gpu", expect="--device gpu"),
+    case("hellaswag-device-cuda99", "hellaswag.py", "--ckpt", "x", "--device", "cuda:99", expect="--device cuda:99"),
+    # ---- files and folders
+    case("train-hellaswag_file-missing", "train_gpt2.py", *DATA, "--hellaswag_file", "{tmp}/nope.jsonl",
+         expect="--hellaswag_file"),
+    case("sample-prompt_file-missing", "sample.py", "--ckpt", "x", "--prompt_file", "{tmp}/nope.txt",
+         expect="--prompt_file"),
+    case("hellaswag-data_file-missing", "hellaswag.py", "--ckpt", "x", "--data_file", "{tmp}/nope.jsonl",
+         expect="--data_file"),
+    case("train-shard-is-a-folder", "train_gpt2.py", *DATA, "--data_dir", "{tmp}/data_folder_shard",
+         expect="not a file"),
+    case("train-shard-negative-count", "train_gpt2.py", *DATA, "--data_dir", "{tmp}/data_negative",
+         expect="-5"),
+    case("train-out_dir-unwritable", "train_gpt2.py", *DATA, "--out_dir", "{tmp}/a_file/out", expect="--out_dir"),
+    case("mid-out_dir-unwritable", "mid_train.py", *MID, "--out_dir", "{tmp}/a_file/out", "--data", "chat:{tmp}/ok.jsonl",
+         expect="--out_dir"),
+    case("prepare-out_dir-unwritable", "prepare_fineweb.py", "--input", "{tmp}/doc.txt", "--out_dir", "{tmp}/a_file/out",
+         expect="--out_dir"),
+    case("mid-jsonl-not-utf8", "mid_train.py", *MID, "--data", "chat:{tmp}/latin1.jsonl", expect="latin1.jsonl:2"),
+    case("mid-mmlu-csv-not-utf8", "mid_train.py", *MID, "--data", "mmlu:{tmp}/latin1.csv", expect="latin1.csv:3"),
+    case("prepare-jsonl-not-utf8", "prepare_fineweb.py", "--input", "{tmp}/latin1_text.jsonl", "--out_dir", "{tmp}/p1",
+         expect="latin1_text.jsonl:2"),
+    case("sample-prompt_file-not-utf8", "sample.py", "--ckpt", "{tmp}/ckpt.pt", "--prompt_file", "{tmp}/latin1.txt",
+         "--device", "cpu", expect="not UTF-8"),
+    case("hellaswag-not-utf8", "hellaswag.py", "--ckpt", "x", "--data_file", "{tmp}/hs_latin1.jsonl",
+         expect="hs_latin1.jsonl:2"),
+    # ---- malformed records, each named by file:line
+    case("prepare-text-null", "prepare_fineweb.py", "--input", "{tmp}/text_null.jsonl", "--out_dir", "{tmp}/p2",
+         expect="text_null.jsonl:2"),
+    case("prepare-text-number", "prepare_fineweb.py", "--input", "{tmp}/text_number.jsonl", "--out_dir", "{tmp}/p3",
+         expect="text_number.jsonl:1"),
+    case("prepare-parquet-text-null", "prepare_fineweb.py", "--input", "{tmp}/text_null.parquet", "--out_dir", "{tmp}/p4",
+         expect="text_null.parquet row 1"),
+    case("mid-role-not-string", "mid_train.py", *MID, "--data", "chat:{tmp}/role_list.jsonl", expect="role_list.jsonl:2"),
+    case("mid-content-not-string", "mid_train.py", *MID, "--data", "chat:{tmp}/content_number.jsonl",
+         expect="content_number.jsonl:1"),
+    case("mid-gsm8k-answer-not-string", "mid_train.py", *MID, "--data", "gsm8k:{tmp}/gsm8k_number.jsonl",
+         expect="gsm8k_number.jsonl:1"),
+    case("mid-assistant-first", "mid_train.py", *MID, "--data", "chat:{tmp}/assistant_first.jsonl",
+         expect="assistant_first.jsonl:2"),
+    case("mid-two-user-turns", "mid_train.py", *MID, "--data", "chat:{tmp}/two_users.jsonl", expect="two_users.jsonl:1"),
+    case("mid-system-late", "mid_train.py", *MID, "--data", "chat:{tmp}/system_late.jsonl", expect="system_late.jsonl:1"),
+    case("hellaswag-3-endings", "hellaswag.py", "--ckpt", "x", "--data_file", "{tmp}/hs_3_endings.jsonl",
+         expect="hs_3_endings.jsonl:2"),
+    case("hellaswag-label-5", "hellaswag.py", "--ckpt", "x", "--data_file", "{tmp}/hs_label_5.jsonl",
+         expect="hs_label_5.jsonl:1"),
+    case("train-hellaswag-bad-label", "train_gpt2.py", *DATA, "--hellaswag_file", "{tmp}/hs_label_5.jsonl",
+         expect="hs_label_5.jsonl:1"),
+    # ---- services: no wandb login, no hub
+    case("train-wandb-no-login", "train_gpt2.py", *DATA, "--wandb_project", "p", env=NO_WANDB_LOGIN,
+         expect="wandb login"),
+    case("train-init_from-offline", "train_gpt2.py", *DATA, "--init_from", "gpt2", env=OFFLINE_HUB,
+         expect="cannot be reached"),
+    case("mid-init_from-offline", "mid_train.py", "--init_from", "gpt2", "--device", "cpu", "--out_dir", "{tmp}/mid",
+         env=OFFLINE_HUB, expect="cannot be reached"),
+    case("sample-hf-offline", "sample.py", "--hf", "gpt2", "--device", "cpu", env=OFFLINE_HUB, expect="cannot be reached"),
+    case("hellaswag-hf-offline", "hellaswag.py", "--hf", "gpt2", "--device", "cpu", "--data_file", "{tmp}/hs_ok.jsonl",
+         env=OFFLINE_HUB, expect="cannot be reached"),
+    # ---- a run dir where no checkpoint is readable
+    case("train-resume-none-readable", "train_gpt2.py", *DATA, "--out_dir", "{tmp}/bad_ckpts", "--resume",
+         expect="none of the 2 checkpoints"),
+    case("sample-out_dir-none-readable", "sample.py", "--ckpt", "{tmp}/bad_ckpts", expect="none of the 2 checkpoints"),
+]
+
+
+def torch_load(path):
+    import torch
+    return torch.load(path, weights_only=True)
+
+
+def write_shard(path, tokens, count=None):
+    header = np.zeros(256, dtype=np.int32)
+    header[:3] = 20240520, 1, len(tokens) if count is None else count
+    with open(path, "wb") as f:
+        f.write(header.tobytes() + np.asarray(tokens, dtype=np.uint16).tobytes())
+
+
+def jsonl(path, rows):
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def make_files(tmp):
+    """The small files the cases read: shards, a tiny checkpoint, and a bad file for every kind of bad record."""
+    import torch
+    from train_gpt2 import GPT, GPTConfig
+
+    tokens = np.random.default_rng(0).integers(0, 50257, 20_000)
+    for name, count in (("data", None), ("data_negative", -5), ("data_folder_shard", None)):
+        os.makedirs(f"{tmp}/{name}")
+        write_shard(f"{tmp}/{name}/t_val_000000.bin", tokens)
+        if name == "data_folder_shard":
+            os.makedirs(f"{tmp}/{name}/t_train_000001.bin")
+        else:
+            write_shard(f"{tmp}/{name}/t_train_000001.bin", tokens, count)
+    config = GPTConfig(block_size=64, n_layer=1, n_head=2, n_embd=32)
+    torch.save({"model": GPT(config).state_dict(), "config": asdict(config)}, f"{tmp}/ckpt.pt")
+    os.makedirs(f"{tmp}/bad_ckpts/ckpt_0000002.pt")  # a folder named like a checkpoint
+    open(f"{tmp}/bad_ckpts/ckpt_0000001.pt", "wb").close()  # an empty file
+    open(f"{tmp}/a_file", "w").close()
+    os.makedirs(f"{tmp}/home")
+    with open(f"{tmp}/doc.txt", "w") as f:
+        f.write("some text\n")
+    hi = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    jsonl(f"{tmp}/ok.jsonl", [{"messages": hi}] * 4)
+    with open(f"{tmp}/latin1.jsonl", "wb") as f:
+        f.write(json.dumps({"messages": hi}).encode() + b"\n" + json.dumps({"messages": hi}).encode()[:-5] + b"caf\xe9\"}]}\n")
+    with open(f"{tmp}/latin1.csv", "wb") as f:
+        f.write(b"question,A,B,C,D,answer\n1+1?,1,2,3,4,B\ncaf\xe9?,a,b,c,d,A\n")
+    with open(f"{tmp}/latin1_text.jsonl", "wb") as f:
+        f.write(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    with open(f"{tmp}/latin1.txt", "wb") as f:
+        f.write(b"caf\xe9 au lait")
+    jsonl(f"{tmp}/text_null.jsonl", [{"text": "fine"}, {"text": None}])
+    jsonl(f"{tmp}/text_number.jsonl", [{"text": 42}])
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"text": ["fine", None]}), f"{tmp}/text_null.parquet")
+    jsonl(f"{tmp}/role_list.jsonl", [{"messages": hi}, {"messages": [{"role": ["user"], "content": "hi"}]}])
+    jsonl(f"{tmp}/content_number.jsonl", [[{"role": "user", "content": 7}]])
+    jsonl(f"{tmp}/gsm8k_number.jsonl", [{"question": "1+1?", "answer": 2}])
+    jsonl(f"{tmp}/assistant_first.jsonl", [{"messages": hi}, {"messages": hi[::-1]}])
+    jsonl(f"{tmp}/two_users.jsonl", [[hi[0], hi[0], hi[1]]])
+    jsonl(f"{tmp}/system_late.jsonl", [[*hi, {"role": "system", "content": "be brief"}]])
+    example = {"ctx": "A man sits", "endings": ["a", "b", "c", "d"], "label": 1}
+    jsonl(f"{tmp}/hs_ok.jsonl", [example])
+    jsonl(f"{tmp}/hs_3_endings.jsonl", [example, {**example, "endings": ["a", "b", "c"]}])
+    jsonl(f"{tmp}/hs_label_5.jsonl", [{**example, "label": 5}])
+    with open(f"{tmp}/hs_latin1.jsonl", "wb") as f:
+        f.write(json.dumps(example).encode() + b"\n" + json.dumps(example).encode().replace(b"sits", b"s\xe9ts") + b"\n")
+
+
+# Starting Python and importing torch costs ~1.5 s of CPU a process, most of what a parse-time case costs. So one
+# process imports torch once and forks a child per case (two at a time); the child runs the script as __main__ with
+# the case's argv, environment, working folder and stdin, as `python script.py ARGS` would, and exits as it does.
+RUNNER = r"""
+import json, os, runpy, sys, time, traceback
+import numpy, torch
+cases, running, results = json.load(sys.stdin), {}, {}
+def start(name, script, argv, env, workdir):
+    pid = os.fork()
+    if pid:
+        running[pid] = (name, time.time())
+        return
+    code = 1
+    try:
+        os.setpgid(0, 0)  # its own process group, so that a case that hangs is killed with all its workers
+        for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, f"{workdir}/{name}.out", os.O_WRONLY | os.O_CREAT),
+                                (2, f"{workdir}/{name}.err", os.O_WRONLY | os.O_CREAT)):
+            os.dup2(os.open(path, flags), fd)
+        sys.stdin = open(0, closefd=False)
+        os.chdir(workdir)
+        os.environ.clear()
+        os.environ.update(env)
+        sys.argv = [script, *argv]
+        runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+while cases or running:
+    if cases and len(running) < 2:
+        start(*cases.pop(0))
+        continue
+    pid, status = os.waitpid(-1, os.WNOHANG)
+    if pid == 0:
+        for pid, (name, t0) in running.items():
+            if time.time() - t0 > 120:
+                os.killpg(pid, 9)
+        time.sleep(0.02)
+        continue
+    name, t0 = running.pop(pid)
+    results[name] = (os.waitstatus_to_exitcode(status), time.time() - t0)
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """Every case run once: {id: (exit code, stderr, seconds)}."""
+    tmp = str(tmp_path_factory.mktemp("bad_input"))
+    make_files(tmp)
+    base_env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):  # the hub cases test the scripts' own probe
+        base_env.pop(key, None)
+    cases = []
+    for c in CASES:
+        script, args, _, env = c.values
+        case_env = {**base_env, **{k: v.format(tmp=tmp) for k, v in env.items() if v is not None}}
+        for key in (k for k, v in env.items() if v is None):
+            case_env.pop(key, None)
+        cases.append((c.id, os.path.join(REPO, script), [str(a).format(tmp=tmp) for a in args], case_env, tmp))
+    proc = subprocess.run([sys.executable, "-c", RUNNER], input=json.dumps(cases), capture_output=True, text=True,
+                          env={**base_env}, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {name: (code, open(f"{tmp}/{name}.err").read(), seconds)
+            for name, (code, seconds) in json.loads(proc.stdout).items()}
+
+
+def test_enough_cases_cover_every_script():
+    scripts = [c.values[0] for c in CASES]
+    assert len(CASES) >= 40 and len(set(scripts)) == 5 and min(map(scripts.count, set(scripts))) >= 5
+
+
+@pytest.mark.parametrize("script,args,expect,env", CASES)
+def test_bad_invocation_is_one_line_error(script, args, expect, env, results, request):
+    code, stderr, seconds = results[request.node.callspec.id]
+    lines = stderr.strip().splitlines()
+    assert code == 2, (code, stderr[-3000:])
+    assert "Traceback" not in stderr and len(lines) == 1, stderr[-3000:]
+    assert lines[0].startswith("error: ") and expect in lines[0], lines[0]
+    assert seconds < 60, f"took {seconds:.0f} s to fail"
+
+
+# -----------------------------------------------------------------------------
+# recovery of a damaged out_dir
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A tiny run of 4 steps with checkpoints at steps 2 and 4, on random-token shards."""
+    tmp = tmp_path_factory.mktemp("recovery")
+    tokens = np.random.default_rng(0).integers(0, 50257, 20_000)
+    os.makedirs(tmp / "data")
+    write_shard(str(tmp / "data" / "t_val_000000.bin"), tokens)
+    write_shard(str(tmp / "data" / "t_train_000001.bin"), tokens[::-1])
+    run("train_gpt2.py", *TINY, "--data_dir", tmp / "data", "--out_dir", tmp / "run", "--max_steps", 4,
+        "--save_every", 2, "--eval_every", 2, check=True)
+    assert sorted(os.listdir(tmp / "run")) == ["ckpt_0000002.pt", "ckpt_0000004.pt", "log.jsonl"]
+    return tmp
+
+
+def resume(run_dir, out_dir):
+    return run("train_gpt2.py", *TINY, "--data_dir", run_dir / "data", "--out_dir", out_dir, "--max_steps", 4,
+               "--save_every", 2, "--eval_every", 2, "--resume")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "folder"])
+def test_resume_passes_over_an_unreadable_newest_checkpoint(run_dir, tmp_path, damage):
+    out = tmp_path / "run"
+    shutil.copytree(run_dir / "run", out)
+    newest = out / "ckpt_0000004.pt"
+    if damage == "truncated":
+        data = newest.read_bytes()
+        newest.write_bytes(data[: len(data) // 2])
+    elif damage == "empty":
+        newest.write_bytes(b"")
+    else:
+        newest.unlink()
+        newest.mkdir()
+    proc = resume(run_dir, out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    notes = [line for line in proc.stderr.splitlines() if "passing over" in line]
+    assert len(notes) == 1 and "ckpt_0000004.pt" in notes[0] and notes[0].endswith("ckpt_0000002.pt"), proc.stderr
+    assert f"resuming from {out / 'ckpt_0000002.pt'} at step 2" in proc.stdout
+    assert max(r["step"] for r in read_log(out)) == 4
+    assert torch_load(newest)["step"] == 4  # the run saved its step-4 checkpoint where the broken one was
+
+
+def test_resume_drops_a_half_written_log_line_and_stale_temp_files(run_dir, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(run_dir / "run", out)
+    (out / "ckpt_0000004.pt").unlink()  # killed while saving at step 4: a temp file, and a log line cut short
+    (out / "ckpt_0000004.pt.tmp").write_bytes(b"PK\x03\x04 half a checkpoint")
+    (out / "log.jsonl.tmp").write_text('{"step": 1}\n')
+    with open(out / "log.jsonl", "a") as f:
+        f.write('{"step": 4, "loss": 5.1, "lr"')
+    proc = resume(run_dir, out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "dropping 1 unreadable (half-written) line" in proc.stderr
+    assert "removed 2 stale temp file(s)" in proc.stderr and "ckpt_0000004.pt.tmp" in proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["ckpt_0000002.pt", "ckpt_0000004.pt", "log.jsonl"]
+    records = read_log(out)  # every line whole again
+    assert [r["step"] for r in records if "loss" in r] == [0, 1, 2, 3]
+    assert [r["step"] for r in records if "val_loss" in r] == [0, 2, 4]
+
+
+def test_prepare_continues_after_a_truncated_manifest(tmp_path):
+    files = stdlib_files(8)
+    args = ["--input", *files, "--out_dir", tmp_path / "shards", "--shard_size", 8_000, "--workers", 1]
+    run("prepare_fineweb.py", *args, check=True)
+    shards = {p.name: p.read_bytes() for p in (tmp_path / "shards").glob("*.bin")}
+    manifest = (tmp_path / "shards" / "manifest.json").read_text()
+    assert len(shards) >= 3
+    (tmp_path / "shards" / "manifest.json").write_text(manifest[: len(manifest) // 2])
+    (tmp_path / "shards" / "shards_train_000002.bin.tmp").write_bytes(b"\0" * 100)  # a killed shard write
+    proc = run("prepare_fineweb.py", *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "manifest.json is unreadable" in proc.stderr and "Traceback" not in proc.stderr
+    assert "removed 1 stale temp file(s)" in proc.stderr
+    assert {p.name: p.read_bytes() for p in (tmp_path / "shards").glob("*.bin")} == shards
+    assert json.loads((tmp_path / "shards" / "manifest.json").read_text())["complete"] is True
+    assert not list((tmp_path / "shards").glob("*.tmp"))
+
+
+def test_prepare_says_how_many_text_files_were_not_utf8(tmp_path):
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("café au lait, ".encode("latin-1") * 2000)
+    proc = run("prepare_fineweb.py", "--input", bad, *stdlib_files(2), "--out_dir", tmp_path / "shards",
+               "--shard_size", 5_000, "--workers", 1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    notes = [line for line in proc.stderr.splitlines() if "not UTF-8" in line]
+    assert len(notes) == 1 and notes[0].startswith("1 text file(s)") and str(bad) in notes[0], proc.stderr
