@@ -71,6 +71,7 @@ def main():
     p.add_argument("--muon_adamw_lr", type=float, help="lr of the AdamW part of the Muon run (default: best AdamW)")
     p.add_argument("--muon_weight_decay", type=float, default=0.0, help="Muon's weight decay")
     p.add_argument("--parallel", action="store_true", help="train all runs at once, one thread each")
+    p.add_argument("--report", action="store_true", help="train nothing: compare the runs already in --out_dir")
     p.add_argument("--target", type=float, help="val loss to reach (default: the best AdamW run's final)")
     p.add_argument("--n_layer", type=int, default=6)
     p.add_argument("--n_head", type=int, default=2)
@@ -82,9 +83,9 @@ def main():
     p.add_argument("--val_tokens", type=int, default=32768, help="val tokens per eval")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more train_gpt2.py flags for every run")
     args = p.parse_args()
-    if args.parallel and args.muon_adamw_lr is None:
+    if args.parallel and args.muon_adamw_lr is None and not args.report:
         sys.exit("error: --parallel starts Muon before the best AdamW lr is known: give --muon_adamw_lr")
-    if args.make_from:
+    if args.make_from and not args.report:
         subprocess.run([sys.executable, "prepare_fineweb.py", "--input", args.make_from, "--out_dir", args.data_dir,
                         "--shard_size", "500000"], cwd=REPO, check=True)
     common = ["train_gpt2.py", "--data_dir", args.data_dir, "--n_layer", str(args.n_layer), "--n_head",
@@ -103,31 +104,38 @@ def main():
     os.makedirs(args.out_dir, exist_ok=True)
     runs = {f"adamw_lr{lr:g}": flags(f"adamw_lr{lr:g}", "adamw", lr) for lr in args.adamw_lrs}
     cpu_s, started = {}, time.time()
-    threads = 1 if args.parallel else None
-    if args.parallel:
+    if args.report:  # the runs are there already (a bench stopped early, say): only compare them
+        runs["muon"] = None
+    elif args.parallel:
         runs["muon"] = flags("muon", "muon", args.muon_adamw_lr)
-        procs = {name: start(run, os.path.join(args.out_dir, f"{name}.txt"), threads) for name, run in runs.items()}
+        procs = {name: start(run, os.path.join(args.out_dir, f"{name}.txt"), 1) for name, run in runs.items()}
         cpu_s = {name: finish(proc) for name, proc in procs.items()}
     else:
         for name, run in runs.items():
             cpu_s[name] = finish(start(run, os.path.join(args.out_dir, f"{name}.txt")))
-    curves = {name: read_run(os.path.join(args.out_dir, name)) for name in runs}
-    best = min(runs, key=lambda name: curves[name][0][args.max_steps])
-    muon_adamw_lr = args.muon_adamw_lr or float(best.removeprefix("adamw_lr"))
-    if not args.parallel:
+    curves = {name: read_run(os.path.join(args.out_dir, name)) for name in runs if runs[name]}
+    last = min(max(curve) for curve, _ in curves.values())  # the last eval every run reached: max_steps when done
+    best = min(args.adamw_lrs, key=lambda lr: curves[f"adamw_lr{lr:g}"][0][last])
+    muon_adamw_lr = args.muon_adamw_lr or best
+    if not args.parallel and not args.report:
         runs["muon"] = flags("muon", "muon", muon_adamw_lr)
         cpu_s["muon"] = finish(start(runs["muon"], os.path.join(args.out_dir, "muon.txt")))
-        curves["muon"] = read_run(os.path.join(args.out_dir, "muon"))
-    target = args.target or curves[best][0][args.max_steps]
+    curves["muon"] = read_run(os.path.join(args.out_dir, "muon"))
+    last = min(last, max(curves["muon"][0]))
+    curves = {name: ({s: v for s, v in curve.items() if s <= last}, step_ms) for name, (curve, step_ms) in curves.items()}
+    best = f"adamw_lr{best:g}"
+    target = args.target or curves[best][0][last]
 
     tokens = args.total_batch_size
     names = list(runs)
-    print(f"\n{len(runs)} runs in {time.time() - started:.0f} s; best AdamW: {best}; Muon's AdamW lr {muon_adamw_lr:g}")
+    print(f"\n{len(runs)} runs in {time.time() - started:.0f} s, compared up to step {last}; best AdamW: {best}; "
+          f"Muon's AdamW lr {muon_adamw_lr:g}")
     print("\n| step | tokens | " + " | ".join(names) + " |\n|---:|---:|" + "---:|" * len(names))
     for step in sorted(curves[best][0]):
         print(f"| {step} | {step * tokens:,} | " + " | ".join(f"{curves[n][0].get(step, float('nan')):.4f}"
                                                        for n in names) + " |")
-    summary = {"target": target, "best_adamw": best, "muon_adamw_lr": muon_adamw_lr, "runs": {}}
+    summary = {"compared_up_to_step": last, "target": target, "best_adamw": best, "muon_adamw_lr": muon_adamw_lr,
+               "runs": {}}
     print(f"\ntarget val loss {target:.4f}\n\n| run | tokens to target | wall-clock to target | median step | "
           "CPU s (whole run) |\n|---|---:|---:|---:|---:|")
     for name in names:
@@ -136,12 +144,13 @@ def main():
         median_ms = sorted(step_ms.values())[len(step_ms) // 2]
         row = {"tokens_to_target": None if step is None else step * tokens,
                "seconds_to_target": None if step is None else seconds_to(step_ms, step),
-               "median_step_ms": median_ms, "cpu_s": cpu_s[name], "final_val_loss": curve[args.max_steps],
+               "median_step_ms": median_ms, "cpu_s": cpu_s.get(name), "val_loss_at_last": curve[last],
                "tokens_to_level": {str(level): (lambda s: None if s is None else s * tokens)(step_to_reach(curve, level))
                                    for level in LEVELS}}
         summary["runs"][name] = row
         reached = "never | never" if step is None else f"{step * tokens:,.0f} | {row['seconds_to_target']:.0f} s"
-        print(f"| {name} | {reached} | {median_ms:.0f} ms | {cpu_s[name]:.0f} |")
+        cpu = "-" if row["cpu_s"] is None else f"{row['cpu_s']:.0f}"
+        print(f"| {name} | {reached} | {median_ms:.0f} ms | {cpu} |")
     print("\ntokens to reach each val loss:\n\n| run | " + " | ".join(f"{v}" for v in LEVELS) + " |\n|---|"
           + "---:|" * len(LEVELS))
     for name in names:
