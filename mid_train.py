@@ -71,6 +71,8 @@ def get_args(argv=None):
     p.add_argument("--muon_lr", type=positive_float, default=0.005, help="learning rate of Muon (--optimizer muon)")
     p.add_argument("--muon_momentum", type=fraction, default=0.95, help="Muon momentum after the warm-up")
     p.add_argument("--muon_momentum_warmup", type=nonneg_int, default=50, help="steps over which Muon's momentum rises from 0.85")
+    p.add_argument("--muon_weight_decay", type=nonneg_float, default=0.0,
+                   help="decoupled weight decay of Muon's weights (--weight_decay is AdamW's)")
     p.add_argument("--seed", type=seed_int, default=1337, help="random seed (shuffle, val split)")
     p.add_argument("--device", default="auto", help="auto, cuda, cuda:N, mps or cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
@@ -664,8 +666,12 @@ class Muon(torch.optim.Optimizer):
     replaced by its nearest orthogonal matrix. For the hidden matrices only; embeddings, head, biases and norms
     go to AdamW. Under DDP the gradients arrive averaged, so every rank computes the same update."""
 
-    def __init__(self, params, lr=0.02, momentum=0.95, weight_decay=0.0, ns_steps=5):
+    def __init__(self, params, lr=0.02, momentum=0.95, weight_decay=0.0, ns_steps=5, qkv=()):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps))
+        # the fused (3C x C) attention weights: Q, K and V are three C x C maps, so each is orthogonalized on its
+        # own (as modded-nanogpt does), not the stack as one tall matrix. Taken from the model at every start,
+        # not from the checkpoint, so checkpoints of either layout resume.
+        self.qkv = {id(p) for p in qkv}
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -679,9 +685,12 @@ class Muon(torch.optim.Optimizer):
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - group["momentum"])
                 update = p.grad.lerp(buf, group["momentum"])  # Nesterov
-                update = zeropower_via_newtonschulz5(update, group["ns_steps"])
+                blocks = update.view(3 if id(p) in self.qkv else 1, -1, p.size(-1))  # (3, C, C) for Q, K, V
+                blocks = zeropower_via_newtonschulz5(blocks, group["ns_steps"])
+                # a tall block is scaled up to the per-entry size of a square one: sqrt(rows / cols), as modded-nanogpt
+                scale = max(1, blocks.size(-2) / blocks.size(-1)) ** 0.5
                 p.mul_(1 - group["lr"] * group["weight_decay"])  # decoupled weight decay, as AdamW
-                p.add_(update, alpha=-group["lr"] * max(1, p.size(-2) / p.size(-1)) ** 0.5)
+                p.add_(blocks.reshape_as(p), alpha=-group["lr"] * scale)
 
 
 def make_optimizers(model, args, device_type):
@@ -697,7 +706,9 @@ def make_optimizers(model, args, device_type):
     fused = device_type in ("cuda", "cpu")  # one kernel for all parameters: 6x faster than foreach on CPU
     optimizers = [torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)]
     if muon_params:
-        optimizers.append(Muon(muon_params, lr=args.muon_lr, momentum=args.muon_momentum, weight_decay=args.weight_decay))
+        qkv = [p for name, p in model.named_parameters() if name.endswith("attn.c_attn.weight") and id(p) in muon_ids]
+        optimizers.append(Muon(muon_params, lr=args.muon_lr, momentum=args.muon_momentum,
+                               weight_decay=args.muon_weight_decay, qkv=qkv))
     for opt in optimizers:
         for group in opt.param_groups:
             group["base_lr"] = group["lr"]
