@@ -1221,7 +1221,11 @@ def resume_args(args, given, fixed):
     those that differ from the checkpoint's run."""
     if find_checkpoint(args.out_dir) is None:
         die(f"--resume found no checkpoint in {args.out_dir}; drop --resume to start afresh")
-    checkpoint, _ = load_checkpoint(args.out_dir, mmap=True)  # the newest readable one; mmap: no tensor is read
+    found = sorted(glob.glob(os.path.join(args.out_dir, CHECKPOINT_GLOB)), reverse=True)
+    readable = (read_checkpoint(path, mmap=True)[0] for path in found)  # mmap: no tensor is read
+    checkpoint = next((c for c in readable if c is not None), None)  # the newest readable, as main() will load
+    if checkpoint is None:
+        return args  # main()'s load_checkpoint says why none is readable
     saved = {**checkpoint.get("args", {}), **{k: v for k, v in checkpoint.get("config", {}).items() if k in fixed}}
     changed = []
     for key, value in vars(args).items():
