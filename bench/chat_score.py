@@ -8,10 +8,12 @@ and scores each reply against the reference, the first sentence of the name's do
   opens a third of all docstrings and so tells nothing about which function it is);
 - on topic: the reply shares strictly more content words with its own reference than with the reference of another
   held-out name, drawn at random (seeded); a tie, 0-0 included, is off topic;
+- on topic beyond the name: the same, counting only the reply's words that are not in the question, so that copying
+  the name scores nothing (docstrings often repeat their function's name: get_content_type -> "Return the
+  message's content type.");
 - token F1: F1 of the reply's content words against the reference's, averaged over the questions.
 
-The same scores for the echo baseline, a "reply" that only repeats the question (the words of the name), show how
-much of the score copying the name alone would get.
+The echo baseline, a "reply" that only repeats the question's name, shows how much copying the name alone gets.
 
     python bench/chat_score.py --ckpt out/mid --num_questions 200
 """
@@ -39,8 +41,9 @@ def content_words(text):
     return [w for w in re.findall(r"[a-z0-9]{2,}", text.lower()) if w not in STOP_WORDS]
 
 
-def overlap(reply, reference):
-    return sum((collections.Counter(content_words(reply)) & collections.Counter(content_words(reference))).values())
+def overlap(reply, reference, leave_out=()):
+    words = collections.Counter(w for w in content_words(reply) if w not in leave_out)
+    return sum((words & collections.Counter(content_words(reference))).values())
 
 
 def token_f1(reply, reference):
@@ -51,10 +54,15 @@ def token_f1(reply, reference):
     return 2 * precision * recall / (precision + recall)
 
 
-def score(replies, references, distractors):
-    on_topic = [overlap(r, ref) > overlap(r, other) for r, ref, other in zip(replies, references, distractors)]
-    f1 = [token_f1(r, ref) for r, ref in zip(replies, references)]
-    return sum(on_topic) / len(on_topic), sum(f1) / len(f1)
+def score(replies, references, distractors, names):
+    """(on topic, on topic beyond the name, mean token F1): shares of the replies, and the mean."""
+    on_topic = beyond = f1 = 0
+    for reply, reference, other, name in zip(replies, references, distractors, names):
+        on_topic += overlap(reply, reference) > overlap(reply, other)
+        name_words = set(content_words(name))
+        beyond += overlap(reply, reference, name_words) > overlap(reply, other, name_words)
+        f1 += token_f1(reply, reference)
+    return on_topic / len(replies), beyond / len(replies), f1 / len(replies)
 
 
 def main():
@@ -96,15 +104,15 @@ def main():
         replies.append(enc.decode(reply))
     seconds = time.perf_counter() - t0
 
-    references = [sentence for _, sentence in asked]
-    on_topic, f1 = score(replies, references, distractors)
-    echo_on_topic, echo_f1 = score([name.replace(".", " ") for name, _ in asked], references, distractors)
-    for (name, sentence), reply in list(zip(asked, replies))[: args.examples]:
-        print(f"Q: What does {name} do?\nA: {reply}\nreference: {sentence}\n")
-    print(f"checkpoint {path}: {len(asked)} held-out questions ({len(held_out)} held out in all) in {seconds:.0f} s")
-    print(f"on topic {on_topic:.1%} (echo baseline {echo_on_topic:.1%}) | token F1 {f1:.3f} (echo baseline "
-          f"{echo_f1:.3f}) | replies that end within {args.max_new_tokens} tokens: {ended / len(asked):.1%}")
-
+    names, references = [name for name, _ in asked], [sentence for _, sentence in asked]
+    on_topic, beyond, f1 = score(replies, references, distractors, names)
+    echo = score([name.replace(".", " ") for name in names], references, distractors, names)
+    for name, reference, reply in list(zip(names, references, replies))[: args.examples]:
+        print(f"Q: What does {name} do?\nA: {reply}\nreference: {reference}\n")
+    print(f"checkpoint {path}: {len(asked)} held-out questions ({len(held_out)} held out in all) in {seconds:.0f} s; "
+          f"{ended / len(asked):.1%} of the replies end within {args.max_new_tokens} tokens")
+    print(f"on topic {on_topic:.1%} (echo baseline {echo[0]:.1%}) | on topic beyond the name {beyond:.1%} (echo "
+          f"baseline {echo[1]:.1%}) | token F1 {f1:.3f} (echo baseline {echo[2]:.3f})")
 
 if __name__ == "__main__":
     main()

@@ -49,8 +49,8 @@ def test_offline_pipeline_from_demo_to_chat(tmp_path):
     assert checkpoint["kind"] == "mid" and checkpoint["args"]["data"] == ["demo:stdlib:2"]
 
     questions = "What does json.dumps do?\nWhat is os.path.join for?\n"
-    chat = subprocess.run([sys.executable, "sample.py", "--ckpt", str(mid), "--chat", "--temperature", "0",
-                           "--max_new_tokens", "40", "--device", "cpu"], input=questions, cwd=REPO,
+    chat = subprocess.run([sys.executable, "sample.py", "--ckpt", str(mid), "--chat", "--max_new_tokens", "100",
+                           "--device", "cpu"], input=questions, cwd=REPO,
                           capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert chat.returncode == 0, chat.stderr
     lines = chat.stdout.splitlines()
@@ -60,7 +60,7 @@ def test_offline_pipeline_from_demo_to_chat(tmp_path):
     for reply in (lines[1], lines[3]):
         reply = reply.removeprefix("assistant: ")
         assert reply.strip() and "<|" not in reply
-        assert len(enc.encode_ordinary(reply)) < 40  # it stopped at <|assistant_end|>, not at the token limit
+        assert len(enc.encode_ordinary(reply)) < 100  # it stopped at <|assistant_end|>, not at the token limit
 
     # the midtrained model exports with its chat tokens, and the chat template renders as ours does
     pytest.importorskip("transformers")
