@@ -47,9 +47,10 @@ HUB_SOURCES = {  # what `KIND:hub` loads through `datasets`
     "gsm8k": ("openai/gsm8k", "main", "train"),
 }
 
-DEMO_PRESET = dict(  # midtrains train_gpt2.py --demo's model on questions about the stdlib, offline, in ~2-3 min on 2 cores
-    init_ckpt="out/demo", out_dir="out/mid", data=["demo:stdlib:2"], micro_batch_size=8, max_steps=120, lr=1e-3,
-    eval_every=40, save_every=1000, prompt="What does json.dumps do?", sample_len=48,
+DEMO_PRESET = dict(  # train_gpt2.py --demo's model taught to answer questions about the stdlib, in 2-3 min on 2 cores
+    init_ckpt="out/demo", out_dir="out/mid", data=["demo:stdlib:2"], micro_batch_size=8, max_steps=100, lr=1e-3,
+    eval_every=25, save_every=1000, prompt="What does re.compile do?", sample_len=48,  # re.compile is held out
+    compile="off",  # a run of a few minutes does not earn back the minute torch.compile takes on a CPU
 )
 
 
@@ -107,6 +108,8 @@ def get_args(argv=None):
         args = p.parse_args(argv)
     if not args.resume and (args.init_ckpt is None) == (args.init_from is None):
         die("start from a base checkpoint with --init_ckpt, or from OpenAI's weights with --init_from gpt2")
+    if args.demo and not args.resume and args.init_ckpt and find_checkpoint(args.init_ckpt) is None:
+        die(f"--demo starts from {args.init_ckpt}, which holds no checkpoint: run python train_gpt2.py --demo first")
     return args
 
 

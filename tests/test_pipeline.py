@@ -104,3 +104,13 @@ torch.save({"ids": ids, "logits": logits, "type": type(model).__name__, "dtype":
     (tmp_path / "keep" / "notes.txt").write_text("mine")
     proc = run("export_hf.py", "--ckpt", base_ckpt, "--out_dir", tmp_path / "keep")
     assert proc.returncode == 2 and proc.stderr.startswith("error:") and (tmp_path / "keep" / "notes.txt").exists()
+
+
+def test_mid_train_demo_preset_gives_defaults_that_flags_override(tmp_path, capsys):
+    (tmp_path / "ckpt_0000001.pt").write_bytes(b"")
+    args = mid_train.get_args(["--demo", "--init_ckpt", str(tmp_path), "--lr", "5e-4"])
+    assert args.data == ["demo:stdlib:2"] and args.out_dir == "out/mid" and args.compile == "off"
+    assert args.lr == 5e-4 and args.max_steps == mid_train.DEMO_PRESET["max_steps"]
+    with pytest.raises(SystemExit) as exit_info:
+        mid_train.get_args(["--demo", "--init_ckpt", str(tmp_path / "nothing")])
+    assert exit_info.value.code == 2 and "run python train_gpt2.py --demo first" in capsys.readouterr().err
