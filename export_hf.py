@@ -18,15 +18,15 @@ import json
 import os
 import shutil
 import sys
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-CHAT_TEMPLATE = ("{{ '<|bos|>' }}{% for m in messages %}{{ '<|' + m['role'] + '_start|>' + m['content'] + '<|' + "
-                 "m['role'] + '_end|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant_start|>' }}{% endif %}")
+CHAT_TEMPLATE = ("{{ '<|bos|>' }}{% for m in messages %}"
+                 "{{ '<|' + m['role'] + '_start|>' + m['content'] + '<|' + m['role'] + '_end|>' }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '<|assistant_start|>' }}{% endif %}")  # as render_for_reply
 
 
 def get_args(argv=None):
@@ -358,7 +358,8 @@ def write_tokenizer(out_dir, chat, block_size):
 
 def main(argv=None):
     args = get_args(argv)
-    if os.path.isdir(args.out_dir) and os.listdir(args.out_dir) and not os.path.exists(os.path.join(args.out_dir, "config.json")):
+    earlier_export = os.path.exists(os.path.join(args.out_dir, "config.json"))
+    if os.path.isdir(args.out_dir) and os.listdir(args.out_dir) and not earlier_export:
         die(f"{args.out_dir} is not empty and holds no earlier export; give a new --out_dir")
     try:
         from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel

@@ -20,7 +20,7 @@ SMALL = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "6
          "--compile", "off"]
 
 
-def test_demo_conversations_hold_out_names_and_are_deterministic():
+def test_demo_conversations_hold_out_names():
     docs, unparsed = mid_train.stdlib_docs(sysconfig.get_paths()["stdlib"])
     assert not unparsed
     assert dict(docs)["json.dumps"].startswith("Serialize ``obj`` to a JSON formatted ``str``")
