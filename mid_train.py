@@ -6,13 +6,16 @@ midtraining does). The same loop as pretraining, different data.
     python mid_train.py --init_from gpt2                       # SmolTalk, MMLU auxiliary_train, GSM8K from the hub
     torchrun --standalone --nproc_per_node=8 mid_train.py --init_ckpt out/ckpt_0019073.pt
     python sample.py --ckpt out/mid --chat
+    python mid_train.py --demo      # offline: out/demo taught to answer "What does json.dumps do?" from the stdlib
 
-Each --data source is KIND:PATH[:EPOCHS] with KIND chat, gsm8k or mmlu and PATH a file, a folder, or `hub`.
+Each --data source is KIND:PATH[:EPOCHS] with KIND chat, gsm8k or mmlu and PATH a file, a folder, or `hub`;
+or demo:stdlib, questions about the documented functions of Python's standard library (or demo:FOLDER of .py).
 Conversations are rendered with chat special tokens, packed best-fit into rows that each start at a conversation
 start, and the loss is on the assistant's tokens only (--train_on all to learn everything).
 """
 
 import argparse
+import ast
 import bisect
 import csv
 import glob
@@ -26,7 +29,9 @@ import re
 import signal
 import socket
 import sys
+import sysconfig
 import time
+import zlib
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
@@ -44,6 +49,12 @@ HUB_SOURCES = {  # what `KIND:hub` loads through `datasets`
     "gsm8k": ("openai/gsm8k", "main", "train"),
 }
 
+DEMO_PRESET = dict(  # train_gpt2.py --demo's model taught to answer questions about the stdlib, in 2-3 min on 2 cores
+    init_ckpt="out/demo", out_dir="out/mid", data=["demo:stdlib:2"], micro_batch_size=8, max_steps=100, lr=3e-3,
+    eval_every=25, save_every=1000, prompt="What does re.compile do?", sample_len=48,  # re.compile is held out
+    compile="off",  # a run of a few minutes does not earn back the minute torch.compile takes on a CPU
+)
+
 
 def get_args(argv=None):
     p = argparse.ArgumentParser(description="Midtrain a GPT-2 checkpoint on conversations (chat format) and tasks.",
@@ -53,7 +64,8 @@ def get_args(argv=None):
     p.add_argument("--init_from", choices=list(MODEL_SIZES), help="start from OpenAI's weights instead (transformers)")
     p.add_argument("--data", nargs="+", default=["chat:hub", "mmlu:hub", "gsm8k:hub"],
                    help="sources KIND:PATH[:EPOCHS]; KIND chat (.jsonl of {messages} or bare message lists), gsm8k "
-                        "(.jsonl question/answer) or mmlu (.csv or folder of them); PATH `hub` loads it by name")
+                        "(.jsonl question/answer) or mmlu (.csv or folder of them); PATH `hub` loads it by name; "
+                        "demo:stdlib asks about the stdlib's documented functions (or demo:FOLDER of .py files)")
     p.add_argument("--val_fraction", type=fraction, default=0.02, help="share of each source held out for val")
     p.add_argument("--train_on", default="assistant", choices=["assistant", "all"],
                    help="learn the assistant's tokens only, or every token")
@@ -92,11 +104,19 @@ def get_args(argv=None):
     p.add_argument("--peak_flops", type=positive_float, help="device peak FLOP/s for MFU (known GPUs are detected)")
     p.add_argument("--wandb_project", help="log to this wandb project (WANDB_MODE=offline works)")
     p.add_argument("--wandb_run_name", help="wandb run name")
+    p.add_argument("--demo", action="store_true",
+                   help="preset: out/demo (train_gpt2.py --demo) midtrained on questions about the Python stdlib's "
+                        "functions into out/mid, offline")
     args = p.parse_args(argv)
+    if args.demo:  # the preset changes the defaults; flags given explicitly still win
+        p.set_defaults(**{k: v for k, v in DEMO_PRESET.items() if not (k == "init_ckpt" and args.init_from)})
+        args = p.parse_args(argv)
     if not args.resume and (args.init_ckpt is None) == (args.init_from is None):
         die("start from a base checkpoint with --init_ckpt, or from OpenAI's weights with --init_from gpt2")
     if args.resume:
         args = resume_args(args, given_flags(p, argv), fixed=("init_ckpt", "init_from", "optimizer"))
+    if args.demo and not args.resume and args.init_ckpt and find_checkpoint(args.init_ckpt) is None:
+        die(f"--demo starts from {args.init_ckpt}, which holds no checkpoint: run python train_gpt2.py --demo first")
     return args
 
 
@@ -1077,8 +1097,8 @@ def parse_source(spec):
     if re.fullmatch(r".+:\d+", rest):
         path, epochs = rest.rsplit(":", 1)
         epochs = int(epochs)
-    if kind not in HUB_SOURCES or not path:
-        die(f"--data {spec}: expected KIND:PATH[:EPOCHS] with KIND one of {', '.join(HUB_SOURCES)}")
+    if kind not in (*HUB_SOURCES, "demo") or not path:
+        die(f"--data {spec}: expected KIND:PATH[:EPOCHS] with KIND one of {', '.join(HUB_SOURCES)}, demo")
     return kind, path, epochs
 
 
@@ -1144,6 +1164,78 @@ def read_mmlu_csv(path):
         yield mmlu_conversation(row[0], row[1:5], answer)
 
 
+# demo: questions about Python's standard library, answered by its docstrings
+
+DEMO_QUESTIONS = ("What does {} do?", "What is {} for?", "Explain {} in one sentence.", "Describe {} briefly.",
+                  "Tell me what {} does.")
+DEMO_SKIP = {"site-packages", "test", "tests", "idlelib", "lib2to3", "encodings", "pydoc_data", "turtledemo",
+             "ensurepip"}  # tests, vendored packages and data tables: few docstrings worth asking about
+
+
+def stable_hash(text):
+    return zlib.crc32(text.encode())  # the same on every run and machine, unlike hash()
+
+
+def first_sentence(doc):
+    """The first sentence of a docstring's first paragraph, on one line."""
+    paragraph = " ".join(doc.strip().split("\n\n")[0].split())
+    end = re.search(r"(?<=[.!?])\s", paragraph)
+    return paragraph[: end.start()] if end else paragraph
+
+
+def stdlib_docs(root):
+    """(qualified name, first sentence of its docstring) for the public modules, classes, functions and methods in
+    the .py files under root, sorted; and the files that did not parse. Read with ast: nothing is imported or run."""
+    defs = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    docs, unparsed = {}, []
+    for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
+        parts = os.path.relpath(path, root)[:-3].split(os.sep)
+        parts = parts[:-1] if parts[-1] == "__init__" else parts
+        if not parts or set(parts) & DEMO_SKIP or not all(p.isidentifier() and p[0] != "_" for p in parts):
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                tree = ast.parse(f.read())
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            unparsed.append(path)
+            continue
+        module = ".".join(parts)
+        nodes = [(module, tree)]
+        for node in tree.body:
+            if isinstance(node, defs) and not node.name.startswith("_"):
+                nodes.append((f"{module}.{node.name}", node))
+                if isinstance(node, ast.ClassDef):
+                    nodes += [(f"{module}.{node.name}.{sub.name}", sub) for sub in node.body
+                              if isinstance(sub, defs) and not sub.name.startswith("_")]
+        for name, node in nodes:
+            doc = ast.get_docstring(node)
+            sentence = first_sentence(doc) if doc else ""
+            if 3 <= len(sentence.split()) <= 40 and name not in docs:  # a sentence, not a word or a page
+                docs[name] = sentence
+    return sorted(docs.items()), unparsed
+
+
+def is_held_out(name):
+    """One name in 10, by a hash of the name: never trained on by mid_train.py --demo, asked by bench/chat_score.py."""
+    return stable_hash(name) % 10 == 0
+
+
+def demo_conversations(docs):
+    """Questions about the functions answered by the first sentence of their docstrings, in varied phrasings:
+    "What does json.dumps do?" -> "Serialize ``obj`` to a JSON formatted ``str``." In seeded order, 1 to 3 turns
+    a conversation, so that follow-up questions in a chat are seen too."""
+    turns = [[{"role": "user", "content": DEMO_QUESTIONS[stable_hash(name) % len(DEMO_QUESTIONS)].format(name)},
+              {"role": "assistant", "content": sentence}] for name, sentence in docs]
+    rng = random.Random(0)
+    rng.shuffle(turns)
+    conversations, i = [], 0
+    while i < len(turns):
+        k = rng.choice((1, 1, 2, 3))
+        conversations.append([m for turn in turns[i: i + k] for m in turn])
+        i += k
+    return conversations
+
+
 def load_hub(kind):
     try:
         import datasets
@@ -1164,8 +1256,25 @@ def load_hub(kind):
             yield mmlu_conversation(row["question"], row["choices"], row["answer"])
 
 
+def load_demo(path):
+    """demo:stdlib (or demo:FOLDER of .py files): questions about its functions, the held-out ones left out."""
+    root = sysconfig.get_paths()["stdlib"] if path == "stdlib" else path
+    if not os.path.isdir(root):
+        die(f"--data demo:{path}: no such folder; give demo:stdlib or a folder of .py files")
+    docs, unparsed = stdlib_docs(root)
+    if unparsed:
+        print(f"demo: {len(unparsed)} .py files under {root} do not parse and are left out, e.g. {unparsed[0]}")
+    train = [(name, sentence) for name, sentence in docs if not is_held_out(name)]
+    if not train:
+        die(f"--data demo:{path}: no documented public functions in the .py files under {root}")
+    print(f"demo: {len(train):,} documented names under {root} to ask about, {len(docs) - len(train):,} held out")
+    return demo_conversations(train)
+
+
 def load_source(kind, path):
     """The conversations of one source, each checked."""
+    if kind == "demo":
+        return load_demo(path)
     if path == "hub":
         return [check_conversation(c, f"{kind}:hub row {i}") for i, c in enumerate(load_hub(kind))]
     files = sorted(glob.glob(os.path.join(path, "*.csv" if kind == "mmlu" else "*.jsonl"))) if os.path.isdir(path) else [path]

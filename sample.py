@@ -567,15 +567,22 @@ def stream(tokens, enc, stop_tokens, out=sys.stdout):
 
 
 def chat(enc, generate_from):
-    """Read a user turn, stream the assistant's reply up to <|assistant_end|>, keep the conversation, repeat."""
+    """Read a user turn, stream the assistant's reply up to <|assistant_end|>, keep the conversation, repeat.
+    With piped input each user turn is echoed, so that the output reads as the conversation."""
     stop = {enc.encode_single_token("<|assistant_end|>"), EOT_TOKEN}
     messages = []
+    piped = not sys.stdin.isatty()
     print("chat with the model; an empty line or Ctrl-D ends it", file=sys.stderr)
     while True:
-        try:
-            user = input("user: ")
-        except EOFError:
-            break
+        if piped:
+            user = sys.stdin.readline().rstrip("\n")
+            if user.strip():
+                print(f"user: {user}")
+        else:
+            try:
+                user = input("user: ")
+            except EOFError:
+                break
         if not user.strip():
             break
         messages.append({"role": "user", "content": user})

@@ -12,7 +12,7 @@ import re
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = ["train_gpt2.py", "mid_train.py", "sample.py", "hellaswag.py", "prepare_fineweb.py"]
+SCRIPTS = ["train_gpt2.py", "mid_train.py", "sample.py", "hellaswag.py", "prepare_fineweb.py", "export_hf.py"]
 BLOCK = re.compile(r"^# ---- shared: (\w+) ----\n(.*?)^# ---- end shared: \1 ----$", re.S | re.M)
 
 

