@@ -333,23 +333,6 @@ def hub_reachable(timeout=3):
 CHECKPOINT_GLOB = "ckpt_*.pt"
 
 
-def save_checkpoint(checkpoint, out_dir, step, keep):
-    """Written to a temp file and renamed, so a checkpoint on disk is never partial; keeps the newest `keep`."""
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"ckpt_{step:07d}.pt")
-    if os.path.isdir(path):  # a folder in the way, which --resume passed over: moved aside, never deleted
-        os.replace(path, path + f".folder_{int(time.time())}")
-        print(f"moved the folder {path} aside to {path}.folder_* to save the checkpoint there", file=sys.stderr)
-    with open(path + ".tmp", "wb") as f:
-        torch.save(checkpoint, f)
-        fsync_file(f)
-    rename_synced(path + ".tmp", path)
-    for old in sorted(glob.glob(os.path.join(out_dir, CHECKPOINT_GLOB)))[:-keep]:
-        if os.path.isfile(old):
-            os.remove(old)
-    return path
-
-
 def find_checkpoint(path):
     """The checkpoint file itself, or the newest checkpoint in a folder; None if there is none."""
     if os.path.isfile(path):
