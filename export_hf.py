@@ -423,6 +423,8 @@ def write_tokenizer(out_dir, chat, block_size):
 
 def main(argv=None):
     args = get_args(argv)
+    if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
+        die(f"--out_dir {args.out_dir} is a file; give a folder")
     earlier_export = os.path.exists(os.path.join(args.out_dir, "config.json"))
     if os.path.isdir(args.out_dir) and os.listdir(args.out_dir) and not earlier_export:
         die(f"{args.out_dir} is not empty and holds no earlier export; give a new --out_dir")
@@ -449,8 +451,13 @@ def main(argv=None):
 
     # written into a temp folder, checked, then renamed, so that out_dir is never a half-written export
     tmp_dir = args.out_dir.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-    os.makedirs(tmp_dir)
+    if os.path.exists(tmp_dir) and not os.path.exists(os.path.join(tmp_dir, "config.json")):
+        die(f"{tmp_dir} is in the way and is not a half-written export; move it, or give another --out_dir")
+    shutil.rmtree(tmp_dir, ignore_errors=True)  # a half-written export of an earlier, killed run
+    try:
+        os.makedirs(tmp_dir)
+    except OSError as e:
+        die(f"--out_dir {args.out_dir} cannot be created or written ({e.strerror}); give another folder")
     hf_model.save_pretrained(tmp_dir)
     tokenizer = write_tokenizer(tmp_dir, chat, c.block_size)
 
@@ -466,7 +473,12 @@ def main(argv=None):
     diff = (ours - theirs).abs().max().item()
     if diff > 1e-4:
         die(f"the exported model's logits differ from ours by {diff:.2e}; {tmp_dir} is left for a look")
-    if os.path.exists(args.out_dir):
+    if os.path.exists(args.out_dir):  # an earlier export: replaced, but only if it holds nothing else
+        extra = sorted(set(os.listdir(args.out_dir)) - set(os.listdir(tmp_dir)))
+        if extra:
+            shutil.rmtree(tmp_dir)
+            die(f"{args.out_dir} holds files an export does not write ({', '.join(extra[:3])}); move them, or give "
+                f"another --out_dir")
         shutil.rmtree(args.out_dir)
     os.replace(tmp_dir, args.out_dir)
     print(f"exported {path} to {args.out_dir}: GPT2LMHeadModel, {sum(p.numel() for p in hf_model.parameters()):,} "

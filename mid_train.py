@@ -114,7 +114,7 @@ def get_args(argv=None):
     if not args.resume and (args.init_ckpt is None) == (args.init_from is None):
         die("start from a base checkpoint with --init_ckpt, or from OpenAI's weights with --init_from gpt2")
     if args.resume:
-        args = resume_args(args, given_flags(p, argv), fixed=("init_ckpt", "init_from", "optimizer"))
+        args = resume_args(args, given_flags(p, argv), fixed=("init_ckpt", "init_from", "optimizer", "seed", "val_fraction"))
     if args.demo and not args.resume and args.init_ckpt and find_checkpoint(args.init_ckpt) is None:
         die(f"--demo starts from {args.init_ckpt}, which holds no checkpoint: run python train_gpt2.py --demo first")
     return args
@@ -1011,9 +1011,11 @@ def save_checkpoint(checkpoint, out_dir, step, keep):
         torch.save(checkpoint, f)
         fsync_file(f)
     rename_synced(path + ".tmp", path)
-    for old in sorted(glob.glob(os.path.join(out_dir, CHECKPOINT_GLOB)))[:-keep]:
-        if os.path.isfile(old):
-            os.remove(old)
+    # prune the oldest, counting back from this one: a newer file is a leftover that --resume passed over (unreadable,
+    # or past where this run went on from), and pruning by name would delete the checkpoint just written instead
+    older = [f for f in sorted(glob.glob(os.path.join(out_dir, CHECKPOINT_GLOB))) if f < path and os.path.isfile(f)]
+    for old in older[:max(0, len(older) - (keep - 1))]:
+        os.remove(old)
     return path
 
 
@@ -1060,7 +1062,7 @@ def resume_args(args, given, fixed):
             continue
         if key in fixed and key in given:
             die(f"--{key} {value}: the checkpoint in {args.out_dir} was trained with {saved[key]}, and a resumed run "
-                f"keeps its model and optimizer; drop --{key}, or start afresh in another --out_dir")
+                f"keeps it (its model, optimizer and data split); drop --{key}, or start afresh in another --out_dir")
         elif key in given or key == "fsdp":  # no flag turns --fsdp off: each launch says how it shards (either loads)
             changed.append(f"{key} {saved[key]} -> {value}")
         else:
@@ -1097,6 +1099,8 @@ def parse_source(spec):
     if re.fullmatch(r".+:\d+", rest):
         path, epochs = rest.rsplit(":", 1)
         epochs = int(epochs)
+    if epochs < 1:
+        die(f"--data {spec}: EPOCHS must be 1 or more")
     if kind not in (*HUB_SOURCES, "demo") or not path:
         die(f"--data {spec}: expected KIND:PATH[:EPOCHS] with KIND one of {', '.join(HUB_SOURCES)}, demo")
     return kind, path, epochs
@@ -1463,6 +1467,9 @@ def main(argv=None):
         die(f"only {len(train_tokens)} packed train rows, fewer than one micro-batch over all ranks; lower --micro_batch_size")
     if not len(val_tokens):
         die("no val conversations: raise --val_fraction or give more data")
+    if not val_mask[:, 1:].any() or not train_mask[:, 1:].any():  # e.g. conversations of user turns only
+        die(f"the {'train' if not train_mask[:, 1:].any() else 'val'} conversations have no token to learn (no "
+            f"assistant reply); give conversations with replies, or --train_on all")
     args.max_steps = args.max_steps or max(1, len(train_tokens) // rows_per_step)
     pin = device_type == "cuda"
     train_loader = RowLoader(train_tokens, train_mask, B, rank, world_size, pin_memory=pin)
@@ -1489,7 +1496,7 @@ def main(argv=None):
         print(f"{raw_model.num_params():,} parameters, {parameter_mib(raw_model):.1f} MiB of them per rank "
               f"({'FSDP' if args.fsdp else 'DDP' if world_size > 1 else 'one process'}) | {device} "
               f"{str(dtype).replace('torch.', '')} | {args.max_steps} steps of {total_batch_size:,} tokens = {grad_accum_steps} x {B} x {T} x {world_size}")
-        if model is not raw_model:
+        if use_compile(args.compile, device_type):
             print("compiling the model (the first step takes a minute or more)", flush=True)
     # FSDP needs every rank to run as many val forwards as the others: pad the val rows to a whole micro-batch on
     # every rank, with rows that have no target (they add nothing to the loss or its token count)

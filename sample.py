@@ -42,7 +42,7 @@ def get_args(argv=None):
     p.add_argument("--no_cache", action="store_true", help="recompute the whole context every token (slow; for checks)")
     p.add_argument("--chat", action="store_true", help="interactive multi-turn chat with a mid_train.py checkpoint")
     p.add_argument("--device", default="auto", help="auto, cuda, mps or cpu")
-    p.add_argument("--threads", type=int, default=0,
+    p.add_argument("--threads", type=nonneg_int, default=0,
                    help="CPU threads (0: OMP_NUM_THREADS where set, else 1): decoding a token at a time, many "
                         "threads stall whenever another process holds a core (bench/RESULTS.md)")
     p.add_argument("--dtype", default="float32", choices=["auto", "bfloat16", "float16", "float32"],

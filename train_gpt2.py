@@ -1184,9 +1184,11 @@ def save_checkpoint(checkpoint, out_dir, step, keep):
         torch.save(checkpoint, f)
         fsync_file(f)
     rename_synced(path + ".tmp", path)
-    for old in sorted(glob.glob(os.path.join(out_dir, CHECKPOINT_GLOB)))[:-keep]:
-        if os.path.isfile(old):
-            os.remove(old)
+    # prune the oldest, counting back from this one: a newer file is a leftover that --resume passed over (unreadable,
+    # or past where this run went on from), and pruning by name would delete the checkpoint just written instead
+    older = [f for f in sorted(glob.glob(os.path.join(out_dir, CHECKPOINT_GLOB))) if f < path and os.path.isfile(f)]
+    for old in older[:max(0, len(older) - (keep - 1))]:
+        os.remove(old)
     return path
 
 
@@ -1233,7 +1235,7 @@ def resume_args(args, given, fixed):
             continue
         if key in fixed and key in given:
             die(f"--{key} {value}: the checkpoint in {args.out_dir} was trained with {saved[key]}, and a resumed run "
-                f"keeps its model and optimizer; drop --{key}, or start afresh in another --out_dir")
+                f"keeps it (its model, optimizer and data split); drop --{key}, or start afresh in another --out_dir")
         elif key in given or key == "fsdp":  # no flag turns --fsdp off: each launch says how it shards (either loads)
             changed.append(f"{key} {saved[key]} -> {value}")
         else:
@@ -1353,7 +1355,7 @@ def main(argv=None):
         epoch_tokens = sum(train_loader.num_windows) * train_loader.window_tokens
         print(f"train data: {args.data_order} order, {len(train_files)} shards, an epoch is {epoch_tokens:,} tokens "
               f"= {epoch_tokens / args.total_batch_size:,.1f} steps")
-        if model is not raw_model:
+        if use_compile(args.compile, device_type):
             print("compiling the model (the first step takes a minute or more)", flush=True)
 
     @torch.no_grad()

@@ -126,6 +126,13 @@ CASES = [
     case("train-resume-none-readable", "train_gpt2.py", *DATA, "--out_dir", "{tmp}/bad_ckpts", "--resume",
          expect="none of the 2 checkpoints"),
     case("sample-out_dir-none-readable", "sample.py", "--ckpt", "{tmp}/bad_ckpts", expect="none of the 2 checkpoints"),
+    # ---- found by review
+    case("sample-threads-neg", "sample.py", "--ckpt", "x", "--threads", -1, expect="argument --threads"),
+    case("mid-epochs-0", "mid_train.py", *MID, "--data", "chat:{tmp}/ok.jsonl:0", expect="EPOCHS must be 1"),
+    case("mid-nothing-to-learn", "mid_train.py", *MID, "--data", "chat:{tmp}/user_only.jsonl", "--val_fraction", 0.5,
+         "--micro_batch_size", 1, expect="no token to learn"),
+    case("export-out_dir-file", "export_hf.py", "--ckpt", "{tmp}/ckpt.pt", "--out_dir", "{tmp}/a_file",
+         expect="is a file"),
 ]
 
 
@@ -169,6 +176,7 @@ def make_files(tmp):
         f.write("some text\n")
     hi = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     jsonl(f"{tmp}/ok.jsonl", [{"messages": hi}] * 4)
+    jsonl(f"{tmp}/user_only.jsonl", [{"messages": hi[:1]}] * 4)
     with open(f"{tmp}/latin1.jsonl", "wb") as f:
         f.write(json.dumps({"messages": hi}).encode() + b"\n" + json.dumps({"messages": hi}).encode()[:-5] + b"caf\xe9\"}]}\n")
     with open(f"{tmp}/latin1.csv", "wb") as f:
@@ -270,7 +278,7 @@ def results(tmp_path_factory):
 
 def test_enough_cases_cover_every_script():
     scripts = [c.values[0] for c in CASES]
-    assert len(CASES) >= 40 and len(set(scripts)) == 5 and min(map(scripts.count, set(scripts))) >= 5
+    assert len(CASES) >= 40 and len(set(scripts)) == 6 and min(map(scripts.count, set(scripts) - {"export_hf.py"})) >= 5
 
 
 @pytest.mark.parametrize("script,args,expect,env", CASES)
@@ -326,6 +334,19 @@ def test_resume_passes_over_an_unreadable_newest_checkpoint(run_dir, tmp_path, d
     assert f"resuming from {out / 'ckpt_0000002.pt'} at step 2" in proc.stdout
     assert max(r["step"] for r in read_log(out)) == 4
     assert torch_load(newest)["step"] == 4  # the run saved its step-4 checkpoint where the broken one was
+
+
+def test_pruning_never_deletes_the_new_checkpoint_below_a_broken_newer_one(run_dir, tmp_path):
+    """--resume passed over a broken ckpt_4 and went on from ckpt_2: its new ckpt_3 must survive --keep_checkpoints 1
+    (pruning by name used to delete it and keep the broken file), and the broken file is left, not deleted."""
+    out = tmp_path / "run"
+    shutil.copytree(run_dir / "run", out)
+    (out / "ckpt_0000004.pt").write_bytes(b"")
+    proc = run("train_gpt2.py", "--out_dir", out, "--resume", "--max_steps", 3, "--save_every", 1,
+               "--keep_checkpoints", 1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(os.listdir(out)) == ["ckpt_0000003.pt", "ckpt_0000004.pt", "log.jsonl"]
+    assert torch_load(out / "ckpt_0000003.pt")["step"] == 3
 
 
 def test_resume_drops_a_half_written_log_line_and_stale_temp_files(run_dir, tmp_path):
