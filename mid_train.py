@@ -99,7 +99,8 @@ def get_args(argv=None):
     p.add_argument("--out_dir", default="out/mid", help="checkpoints, log.jsonl and wandb files go here")
     p.add_argument("--save_every", type=positive_int, default=500, help="checkpoint every N steps (and at the end)")
     p.add_argument("--keep_checkpoints", type=positive_int, default=3, help="newest checkpoints kept in out_dir")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in out_dir")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run of the newest checkpoint in out_dir; flags not given take its values")
     p.add_argument("--log_every", type=positive_int, default=1, help="print a step line every N steps")
     p.add_argument("--peak_flops", type=positive_float, help="device peak FLOP/s for MFU (known GPUs are detected)")
     p.add_argument("--wandb_project", help="log to this wandb project (WANDB_MODE=offline works)")
@@ -1048,17 +1049,17 @@ def resume_args(args, given, fixed):
     --resume alone continues it. The `fixed` flags (the model's shape, the optimizer kind) come with the weights and
     optimizer state: a different value given is an error. Every other flag given takes effect, and one line lists
     those that differ from the checkpoint's run."""
-    if find_checkpoint(args.out_dir) is None:
-        die(f"--resume found no checkpoint in {args.out_dir}; drop --resume to start afresh")
     found = sorted(glob.glob(os.path.join(args.out_dir, CHECKPOINT_GLOB)), reverse=True)
+    if not found:
+        die(f"--resume found no checkpoint in {args.out_dir}; drop --resume to start afresh")
     readable = (read_checkpoint(path, mmap=True)[0] for path in found)  # mmap: no tensor is read
     checkpoint = next((c for c in readable if c is not None), None)  # the newest readable, as main() will load
     if checkpoint is None:
-        return args  # main()'s load_checkpoint says why none is readable
+        load_checkpoint(args.out_dir)  # none is readable: it says so, before any other check can say less
     saved = {**checkpoint.get("args", {}), **{k: v for k, v in checkpoint.get("config", {}).items() if k in fixed}}
     changed = []
     for key, value in vars(args).items():
-        if key in ("resume", "out_dir") or key not in saved or saved[key] == value:
+        if key in ("resume", "out_dir", "demo") or key not in saved or saved[key] == value:  # demo: a preset only
             continue
         if key in fixed and key in given:
             die(f"--{key} {value}: the checkpoint in {args.out_dir} was trained with {saved[key]}, and a resumed run "
