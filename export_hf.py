@@ -372,8 +372,8 @@ def load_checkpoint(path, device="cpu", mmap=False):
                       file=sys.stderr)
             return checkpoint, candidate
         problems.append(problem)
-    die(f"none of the {len(found)} checkpoints in {path} is readable ({problems[0]}); start afresh without --resume "
-        f"or give another checkpoint")
+    die(f"none of the {len(found)} checkpoints in {path} is readable ({problems[0]}); give another checkpoint "
+        f"(a --resume run: start afresh without --resume)")
 
 
 def model_from_checkpoint(checkpoint):

@@ -490,8 +490,8 @@ def load_checkpoint(path, device="cpu", mmap=False):
                       file=sys.stderr)
             return checkpoint, candidate
         problems.append(problem)
-    die(f"none of the {len(found)} checkpoints in {path} is readable ({problems[0]}); start afresh without --resume "
-        f"or give another checkpoint")
+    die(f"none of the {len(found)} checkpoints in {path} is readable ({problems[0]}); give another checkpoint "
+        f"(a --resume run: start afresh without --resume)")
 
 
 def model_from_checkpoint(checkpoint):
@@ -565,8 +565,12 @@ def score_hellaswag(model, rendered, device, n_vocab, autocast_ctx=nullcontext()
 
 def evaluate_hellaswag(model, examples, enc, device, batch_size=8, rank=0, world_size=1, autocast_ctx=nullcontext()):
     """acc and acc_norm over the examples, split across ranks; returns (correct, correct_norm, count) summed."""
-    n_vocab = min(enc.n_vocab, model.config.vocab_size)
+    n_vocab, max_len = min(enc.n_vocab, model.config.vocab_size), model.config.block_size
     rendered = [render_hellaswag(ex, enc) for ex in examples[rank::world_size]]
+    cropped = sum(max(map(len, rows)) > max_len for rows, _, _ in rendered)
+    # a row longer than the model's context keeps its last max_len tokens: the start of the context goes, as in
+    # lm-evaluation-harness, and the ending is scored as before
+    rendered = [([row[-max_len:] for row in rows], [m[-max_len:] for m in masks], label) for rows, masks, label in rendered]
     rendered.sort(key=lambda r: max(map(len, r[0])))  # examples of similar length batch together: little padding
     correct = correct_norm = 0
     for i in progress(range(0, len(rendered), batch_size), "hellaswag", enabled=rank == 0):
@@ -575,10 +579,14 @@ def evaluate_hellaswag(model, examples, enc, device, batch_size=8, rank=0, world
         labels = [r[2] for r in batch]
         correct += sum(p == y for p, y in zip(pred, labels))
         correct_norm += sum(p == y for p, y in zip(pred_norm, labels))
-    counts = torch.tensor([correct, correct_norm, len(rendered)], dtype=torch.long, device=device)
+    counts = torch.tensor([correct, correct_norm, len(rendered), cropped], dtype=torch.long, device=device)
     if world_size > 1:
         dist.all_reduce(counts)
-    return tuple(counts.tolist())
+    correct, correct_norm, count, cropped = counts.tolist()
+    if cropped and rank == 0:
+        print(f"hellaswag: {cropped} of {count} examples are longer than the model's context ({max_len} tokens): "
+              f"the start of their context is left out")
+    return correct, correct_norm, count
 # ---- end shared: hellaswag ----
 
 
@@ -589,7 +597,7 @@ def hellaswag_file(args):
     """The data file: --data_file, or the official split downloaded once into cache_dir (temp file, then rename)."""
     if args.data_file:
         if not os.path.isfile(args.data_file):
-            die(f"--data_file {args.data_file} does not exist")
+            die(f"--data_file {args.data_file} is not a file (missing, or a folder); give the HellaSwag .jsonl")
         return args.data_file
     path = os.path.join(args.cache_dir, f"hellaswag_{args.split}.jsonl")
     if not os.path.exists(path):

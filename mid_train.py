@@ -114,6 +114,8 @@ def get_args(argv=None):
         args = p.parse_args(argv)
     if not args.resume and (args.init_ckpt is None) == (args.init_from is None):
         die("start from a base checkpoint with --init_ckpt, or from OpenAI's weights with --init_from gpt2")
+    if args.init_ckpt:  # out/demo, out/demo/ and ./out/demo are one checkpoint, also to --resume's comparison
+        args.init_ckpt = os.path.normpath(args.init_ckpt)
     if args.resume:
         args = resume_args(args, given_flags(p, argv), fixed=("init_ckpt", "init_from", "optimizer", "seed", "val_fraction"))
     if args.demo and not args.resume and args.init_ckpt and find_checkpoint(args.init_ckpt) is None:
@@ -588,8 +590,8 @@ def load_checkpoint(path, device="cpu", mmap=False):
                       file=sys.stderr)
             return checkpoint, candidate
         problems.append(problem)
-    die(f"none of the {len(found)} checkpoints in {path} is readable ({problems[0]}); start afresh without --resume "
-        f"or give another checkpoint")
+    die(f"none of the {len(found)} checkpoints in {path} is readable ({problems[0]}); give another checkpoint "
+        f"(a --resume run: start afresh without --resume)")
 
 
 def model_from_checkpoint(checkpoint):

@@ -53,7 +53,7 @@ def get_args(argv=None):
     if (args.ckpt is None) == (args.hf is None):
         die("give a checkpoint with --ckpt, or --hf gpt2 for OpenAI's weights")
     if args.prompt_file and not os.path.isfile(args.prompt_file):
-        die(f"--prompt_file {args.prompt_file} does not exist")
+        die(f"--prompt_file {args.prompt_file} is not a file (missing, or a folder); give a text file")
     return args
 
 
@@ -473,8 +473,8 @@ def load_checkpoint(path, device="cpu", mmap=False):
                       file=sys.stderr)
             return checkpoint, candidate
         problems.append(problem)
-    die(f"none of the {len(found)} checkpoints in {path} is readable ({problems[0]}); start afresh without --resume "
-        f"or give another checkpoint")
+    die(f"none of the {len(found)} checkpoints in {path} is readable ({problems[0]}); give another checkpoint "
+        f"(a --resume run: start afresh without --resume)")
 
 
 def model_from_checkpoint(checkpoint):

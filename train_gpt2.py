@@ -545,8 +545,8 @@ def load_checkpoint(path, device="cpu", mmap=False):
                       file=sys.stderr)
             return checkpoint, candidate
         problems.append(problem)
-    die(f"none of the {len(found)} checkpoints in {path} is readable ({problems[0]}); start afresh without --resume "
-        f"or give another checkpoint")
+    die(f"none of the {len(found)} checkpoints in {path} is readable ({problems[0]}); give another checkpoint "
+        f"(a --resume run: start afresh without --resume)")
 
 
 def model_from_checkpoint(checkpoint):
@@ -667,8 +667,12 @@ def score_hellaswag(model, rendered, device, n_vocab, autocast_ctx=nullcontext()
 
 def evaluate_hellaswag(model, examples, enc, device, batch_size=8, rank=0, world_size=1, autocast_ctx=nullcontext()):
     """acc and acc_norm over the examples, split across ranks; returns (correct, correct_norm, count) summed."""
-    n_vocab = min(enc.n_vocab, model.config.vocab_size)
+    n_vocab, max_len = min(enc.n_vocab, model.config.vocab_size), model.config.block_size
     rendered = [render_hellaswag(ex, enc) for ex in examples[rank::world_size]]
+    cropped = sum(max(map(len, rows)) > max_len for rows, _, _ in rendered)
+    # a row longer than the model's context keeps its last max_len tokens: the start of the context goes, as in
+    # lm-evaluation-harness, and the ending is scored as before
+    rendered = [([row[-max_len:] for row in rows], [m[-max_len:] for m in masks], label) for rows, masks, label in rendered]
     rendered.sort(key=lambda r: max(map(len, r[0])))  # examples of similar length batch together: little padding
     correct = correct_norm = 0
     for i in progress(range(0, len(rendered), batch_size), "hellaswag", enabled=rank == 0):
@@ -677,10 +681,14 @@ def evaluate_hellaswag(model, examples, enc, device, batch_size=8, rank=0, world
         labels = [r[2] for r in batch]
         correct += sum(p == y for p, y in zip(pred, labels))
         correct_norm += sum(p == y for p, y in zip(pred_norm, labels))
-    counts = torch.tensor([correct, correct_norm, len(rendered)], dtype=torch.long, device=device)
+    counts = torch.tensor([correct, correct_norm, len(rendered), cropped], dtype=torch.long, device=device)
     if world_size > 1:
         dist.all_reduce(counts)
-    return tuple(counts.tolist())
+    correct, correct_norm, count, cropped = counts.tolist()
+    if cropped and rank == 0:
+        print(f"hellaswag: {cropped} of {count} examples are longer than the model's context ({max_len} tokens): "
+              f"the start of their context is left out")
+    return correct, correct_norm, count
 # ---- end shared: hellaswag ----
 
 
@@ -909,7 +917,7 @@ class ShardLoader:
     epoch and (epoch, shard, window, micro-batch) is all the state there is; it goes in checkpoints."""
 
     def __init__(self, files, B, T, rank, world_size, pin_memory=False, order="sequential", span=1, seed=0):
-        self.shards = [load_shard(f) for f in files]
+        self.files, self.shards = files, [load_shard(f) for f in files]
         self.B, self.T, self.rank, self.world_size, self.pin_memory = B, T, rank, world_size, pin_memory
         self.order, self.span, self.seed = order, span, seed % 2**64  # numpy seeds are non-negative
         self.tokens_per_step = B * T * world_size  # one micro-batch over all ranks
@@ -970,8 +978,11 @@ class ShardLoader:
             self.seek(self.epoch + (not more), self.shard + 1 if more else 0, 0, 0)
         window_start = self.windows_in_order[self.window] * self.window_tokens
         start = window_start + (self.micro * self.world_size + self.rank) * self.B * self.T
-        buf = torch.from_numpy(self.shards[self.shards_in_order[self.shard]][start: start + self.B * self.T + 1]
-                               .astype(np.int64))
+        shard = self.shards_in_order[self.shard]
+        buf = torch.from_numpy(self.shards[shard][start: start + self.B * self.T + 1].astype(np.int64))
+        if buf.max() >= GPTConfig.vocab_size:  # an embedding lookup would fail with a traceback (a device assert on CUDA)
+            die(f"{self.files[shard]} holds token id {buf.max().item()}, past the model's vocab of "
+                f"{GPTConfig.vocab_size}: it was made by another tokenizer; re-create it with prepare_fineweb.py")
         self.micro += 1
         if self.micro == self.span:
             self.window, self.micro = self.window + 1, 0
@@ -1282,7 +1293,7 @@ def main(argv=None):
 
     # ---- check the inputs before any work
     if not os.path.isdir(args.data_dir):
-        die(f"--data_dir {args.data_dir} does not exist; make shards with prepare_fineweb.py "
+        die(f"--data_dir {args.data_dir} is not a folder; make shards with prepare_fineweb.py "
             f"(python prepare_fineweb.py --demo for a small offline set)")
     train_files, val_files = find_shards(args.data_dir, "train"), find_shards(args.data_dir, "val")
     if not train_files or not val_files:
@@ -1294,7 +1305,7 @@ def main(argv=None):
             f"= {B} * {T} * {world_size}; change --total_batch_size or --micro_batch_size")
     grad_accum_steps = args.total_batch_size // (B * T * world_size)
     if args.hellaswag_file and not os.path.isfile(args.hellaswag_file):
-        die(f"--hellaswag_file {args.hellaswag_file} does not exist; python hellaswag.py downloads it into data/hellaswag")
+        die(f"--hellaswag_file {args.hellaswag_file} is not a file (missing, or a folder); python hellaswag.py downloads it into data/hellaswag")
     if master:
         prepare_out_dir(args.out_dir, "--out_dir")
 

@@ -77,6 +77,8 @@ CASES = [
          expect="not a file"),
     case("train-shard-negative-count", "train_gpt2.py", *DATA, "--data_dir", "{tmp}/data_negative",
          expect="-5"),
+    case("train-shard-token-past-vocab", "train_gpt2.py", *DATA, "--data_dir", "{tmp}/data_big_ids",
+         expect="holds token id 60000"),
     case("train-out_dir-unwritable", "train_gpt2.py", *DATA, "--out_dir", "{tmp}/a_file/out", expect="--out_dir"),
     case("mid-out_dir-unwritable", "mid_train.py", *MID, "--out_dir", "{tmp}/a_file/out", "--data", "chat:{tmp}/ok.jsonl",
          expect="--out_dir"),
@@ -159,13 +161,14 @@ def make_files(tmp):
     from train_gpt2 import GPT, GPTConfig
 
     tokens = np.random.default_rng(0).integers(0, 50257, 20_000)
-    for name, count in (("data", None), ("data_negative", -5), ("data_folder_shard", None)):
+    other_tokenizer = np.where(np.arange(20_000) % 50 == 0, 60_000, tokens)  # ids past the model's 50,304
+    for name, count in (("data", None), ("data_negative", -5), ("data_folder_shard", None), ("data_big_ids", None)):
         os.makedirs(f"{tmp}/{name}")
         write_shard(f"{tmp}/{name}/t_val_000000.bin", tokens)
         if name == "data_folder_shard":
             os.makedirs(f"{tmp}/{name}/t_train_000001.bin")
         else:
-            write_shard(f"{tmp}/{name}/t_train_000001.bin", tokens, count)
+            write_shard(f"{tmp}/{name}/t_train_000001.bin", other_tokenizer if name == "data_big_ids" else tokens, count)
     config = GPTConfig(block_size=64, n_layer=1, n_head=2, n_embd=32)
     torch.save({"model": GPT(config).state_dict(), "config": asdict(config)}, f"{tmp}/ckpt.pt")
     os.makedirs(f"{tmp}/bad_ckpts/ckpt_0000002.pt")  # a folder named like a checkpoint

@@ -55,6 +55,25 @@ def test_batched_scoring_equals_one_at_a_time(tmp_path):
         evaluate_hellaswag(model, examples, enc, "cpu", batch_size=1)
 
 
+def test_examples_longer_than_the_context_are_cropped_from_the_left(tmp_path, capsys):
+    """A model whose context is shorter than an example scores it on the example's last block_size tokens (it ended
+    in an AssertionError before), says so, and scores exactly as the cropped rows would."""
+    write_fixture(tmp_path / "h.jsonl", 6)
+    examples = load_hellaswag(tmp_path / "h.jsonl")
+    enc = get_tokenizer()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=24, n_layer=2, n_head=2, n_embd=32)).eval()
+    rendered = [render_hellaswag(ex, enc) for ex in examples]
+    long = sum(max(map(len, rows)) > 24 for rows, _, _ in rendered)
+    assert 0 < long < len(examples)  # 2 of the 3 kinds of example are longer (51 and 32 tokens), 1 fits (21)
+    cropped = [([r[-24:] for r in rows], [m[-24:] for m in masks], label) for rows, masks, label in rendered]
+    pred, pred_norm = score_hellaswag(model, cropped, "cpu", 50257)
+    labels = [label for _, _, label in rendered]
+    expected = (sum(p == y for p, y in zip(pred, labels)), sum(p == y for p, y in zip(pred_norm, labels)), 6)
+    assert evaluate_hellaswag(model, examples, enc, "cpu", batch_size=4) == expected
+    assert f"hellaswag: {long} of 6 examples are longer than the model's context (24 tokens)" in capsys.readouterr().out
+
+
 def test_cli_counts_and_two_processes_match_one(base_ckpt, tmp_path):
     write_fixture(tmp_path / "h.jsonl", 14)
     args = ["--ckpt", base_ckpt, "--data_file", tmp_path / "h.jsonl", "--device", "cpu", "--dtype", "float32"]
@@ -76,7 +95,7 @@ def test_bad_input_gives_one_line_error(case, base_ckpt, tmp_path):
             f.write('{"ctx": "no endings here"}\n')
     args = {"missing_file": ["--ckpt", base_ckpt, "--data_file", tmp_path / "none.jsonl"],
             "malformed": ["--ckpt", base_ckpt, "--data_file", path], "no_model": ["--data_file", path]}[case]
-    expect = {"missing_file": "does not exist", "malformed": "h.jsonl:4 is not a HellaSwag example",
+    expect = {"missing_file": "is not a file", "malformed": "h.jsonl:4 is not a HellaSwag example",
               "no_model": "--ckpt"}[case]
     proc = run("hellaswag.py", *args)
     lines = proc.stderr.strip().splitlines()

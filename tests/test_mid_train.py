@@ -1,5 +1,6 @@
 import copy
 import json
+import os
 import random
 import re
 import subprocess
@@ -171,7 +172,9 @@ def test_ddp_matches_single_process_and_resume_is_exact(base_ckpt, tmp_path):
     resumed = tmp_path / "resumed"
     resumed.mkdir()
     (resumed / "ckpt_0000004.pt").hardlink_to(tmp_path / "single" / "ckpt_0000004.pt")
-    run("mid_train.py", *flags, "--micro_batch_size", 2, "--out_dir", resumed, "--resume", check=True)
+    same_base = os.path.join(os.path.dirname(base_ckpt), ".", os.path.basename(base_ckpt))  # spelled another way
+    run("mid_train.py", *[same_base if f == base_ckpt else f for f in flags], "--micro_batch_size", 2,
+        "--out_dir", resumed, "--resume", check=True)
     again = train_losses(resumed)
     assert sorted(again) == [4, 5, 6, 7] and all(again[s] == single[s] for s in again)
     assert val_losses(resumed)[8] == val_losses(tmp_path / "single")[8]

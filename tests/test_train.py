@@ -235,7 +235,7 @@ def test_bad_input_gives_one_line_error(case, shards, tmp_path):
     write_shard(data / "x_val_000000.bin", tokens)
     write_shard(data / "x_train_000001.bin", tokens)
     flags = [*TINY, "--data_dir", data, "--out_dir", tmp_path / "out", "--max_steps", 1]
-    expect = {"missing_dir": "does not exist", "no_shards": "needs train and val shards", "bad_magic": "magic",
+    expect = {"missing_dir": "is not a folder", "no_shards": "needs train and val shards", "bad_magic": "magic",
               "truncated": "truncated", "seq_len": "beyond the model's context", "batch": "not divisible",
               "model": "invalid choice", "ambiguous_name": "cannot tell whether"}[case]
     if case == "missing_dir":
