@@ -116,9 +116,8 @@ def render_hellaswag(example, enc):
 
 @torch.no_grad()
 def score_hellaswag(model, rendered, device, n_vocab, autocast_ctx=nullcontext()):
-    """Score a batch of rendered examples in one forward (rows right-padded; causal attention means the
-    padding changes nothing). Returns (pred, pred_norm) lists: the ending with the lowest summed loss,
-    and with the lowest mean loss per token."""
+    """Score rendered examples in one forward (right padding changes nothing under causal attention). Returns the
+    endings with the lowest summed loss and with the lowest mean loss per token."""
     rows = [row for r in rendered for row in r[0]]
     masks = [m for r in rendered for m in r[1]]
     width = max(len(row) for row in rows)
@@ -139,8 +138,10 @@ def score_hellaswag(model, rendered, device, n_vocab, autocast_ctx=nullcontext()
     return sum_loss.argmin(dim=1).tolist(), mean_loss.argmin(dim=1).tolist()
 
 
-def evaluate_hellaswag(model, examples, enc, device, batch_size=8, rank=0, world_size=1, autocast_ctx=nullcontext()):
-    """acc and acc_norm over the examples, split across ranks; returns (correct, correct_norm, count) summed."""
+def evaluate_hellaswag(model, examples, enc, device, batch_size=8, autocast_ctx=nullcontext(), split_ranks=True):
+    """acc and acc_norm over the examples, split across ranks (FSDP ranks, which forward in lockstep, each score all);
+    returns (correct, correct_norm, count) summed."""
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() and split_ranks else (0, 1)
     n_vocab, max_len = min(enc.n_vocab, model.config.vocab_size), model.config.block_size
     rendered = [render_hellaswag(ex, enc) for ex in examples[rank::world_size]]
     cropped = sum(max(map(len, rows)) > max_len for rows, _, _ in rendered)
@@ -188,8 +189,8 @@ def main(argv=None):
     model.to(device=device, dtype=dtype if args.cast_weights else torch.float32).eval()
     autocast_ctx = nullcontext() if args.cast_weights else autocast_context(device_type, dtype)
     start = time.perf_counter()
-    correct, correct_norm, count = evaluate_hellaswag(model, examples, get_tokenizer(), device, args.batch_size, rank,
-                                                      world_size, autocast_ctx)
+    correct, correct_norm, count = evaluate_hellaswag(model, examples, get_tokenizer(), device, args.batch_size,
+                                                      autocast_ctx)
     seconds = time.perf_counter() - start
     if rank == 0:
         print(json.dumps({"model": name, "data": path, "examples": count, "acc": correct / count,
@@ -553,9 +554,8 @@ def check_device(device):
 
 
 def autocast_dtype(dtype_arg, device_type, width=768):
-    """The dtype matmuls run in under autocast. auto: bfloat16 on CUDA (float16 where it has none); on CPU, whichever
-    of bfloat16 and float32 multiplies faster at the model's width, measured: CPUs that report bf16 support differ
-    (bf16 was 3x fp32 on an AMD EPYC, and slower than fp32 on an Intel Xeon with AVX512-BF16); float32 elsewhere."""
+    """The dtype matmuls run in under autocast. auto: bfloat16 on CUDA (float16 where it has none), float32 on MPS;
+    on CPU whichever multiplies faster, measured (bf16 was 3x fp32 on an AMD EPYC, slower on an Intel Xeon)."""
     if dtype_arg != "auto":
         return getattr(torch, dtype_arg)
     if device_type == "cuda":

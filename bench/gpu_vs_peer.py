@@ -134,7 +134,7 @@ def main():
 
     import torch
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    peak = tg.device_peak_flops(device, args.peak_flops)
+    peak = tg.peak_flops(device, args.peak_flops)
     with torch.device("meta"):
         model = tg.GPT(tg.GPTConfig(block_size=T, **({"n_layer": 2, "n_head": 2, "n_embd": 64} if args.dry_run else {})))
     flops_per_token = model.flops_per_token(T)

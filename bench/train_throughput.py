@@ -60,18 +60,21 @@ def bench_variant(args, mode, dtype_name, device):
     B = args.micro_batch_size
     data = torch.randint(0, 50257, (B, T + 1))
     pin = device.startswith("cuda")
-    batch = lambda: (data[:, :-1].pin_memory() if pin else data[:, :-1], data[:, 1:].pin_memory() if pin else data[:, 1:])  # noqa: E731
+
+    def batch():  # on the device, as the loaders give it: pinned, then copied alongside the compute
+        buf = (data.pin_memory() if pin else data).to(device, non_blocking=True)
+        return buf[:, :-1], buf[:, 1:]
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     for _ in range(args.warmup):
-        loss, _, _ = tg.train_step(train_model, model, optimizers, scaler, batch, args.grad_accum,
-                                   B * T * args.grad_accum, 1.0, device, autocast_ctx)
+        loss, _, _ = tg.train_step(train_model, optimizers, scaler, batch, args.grad_accum, B * T * args.grad_accum,
+                                   1.0, autocast_ctx)
     loss.item()
     step_seconds = []  # the median step: other load on the machine only ever slows some steps down
     for _ in range(args.steps):
         start = time.perf_counter()
-        loss, _, _ = tg.train_step(train_model, model, optimizers, scaler, batch, args.grad_accum,
-                                   B * T * args.grad_accum, 1.0, device, autocast_ctx)
+        loss, _, _ = tg.train_step(train_model, optimizers, scaler, batch, args.grad_accum, B * T * args.grad_accum,
+                                   1.0, autocast_ctx)
         loss.item()
         sync(device)
         step_seconds.append(time.perf_counter() - start)
@@ -102,7 +105,7 @@ def main():
     if device.startswith("cuda"):
         torch.set_float32_matmul_precision("high")
         print(f"device: {torch.cuda.get_device_name(device)}")
-        peak = {"bfloat16": tg.device_peak_flops(device, args.peak_flops)}
+        peak = {"bfloat16": tg.peak_flops(device, args.peak_flops)}
     else:
         peak = {dt: matmul_peak(getattr(torch, dt), device) for dt in ("bfloat16", "float32")}
         print(f"device: {device}, {torch.get_num_threads()} threads | measured matmul peak: "

@@ -76,7 +76,7 @@ def test_fused_adamw_on_cuda():
     from train_gpt2 import GPT, GPTConfig, get_args, setup_training
     args = get_args(["--device", "cuda", "--dtype", "bfloat16", "--compile", "off"])
     model = GPT(GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=64)).to("cuda")
-    _, _, optimizers, _, _, _ = setup_training(model, args, "cuda", 0, 1)
+    _, optimizers, _, _ = setup_training(model, args, torch.bfloat16)
     assert optimizers[0].defaults["fused"] is True
 
 

@@ -17,7 +17,7 @@ import mid_train
 from conftest import REPO, run, torchrun, train_losses, val_losses
 
 MID = ["--micro_batch_size", "4", "--seq_len", "64", "--lr", "3e-3", "--dtype", "float32", "--device", "cpu",
-       "--sample_len", "0", "--val_fraction", "0.1", "--compile", "off"]
+       "--num_samples", "0", "--val_fraction", "0.1", "--compile", "off"]
 
 
 def conversations(n=240, seed=0):
@@ -104,8 +104,8 @@ def test_step_loss_and_gradient_are_the_mean_over_every_target():
     expected.backward()
     batches = iter(zip(x, y))
     sgd = torch.optim.SGD(model.parameters(), lr=1.0)
-    loss, _, _ = mid_train.train_step(model, model, [sgd], torch.amp.GradScaler("cpu", enabled=False),
-                                      lambda: next(batches), 3, 65, 0.0, "cpu", nullcontext())
+    loss, _, _ = mid_train.train_step(model, [sgd], torch.amp.GradScaler("cpu", enabled=False),
+                                      lambda: next(batches), 3, 65, 0.0, nullcontext())
     assert abs(loss.item() - expected.item()) < 1e-6, (loss, expected)  # finite, though a micro-batch learns nothing
     for before, after in zip(reference.parameters(), model.parameters()):  # one SGD step of lr 1 moved them by -grad
         torch.testing.assert_close(before.detach() - after.detach(), before.grad, rtol=0, atol=1e-6)

@@ -41,7 +41,7 @@ def test_offline_pipeline_from_demo_to_chat(tmp_path):
         "--eval_every", 20, "--val_tokens", 512, "--num_samples", 0, check=True)
     proc = run("mid_train.py", "--demo", "--init_ckpt", base, "--out_dir", mid, "--max_steps", 60, "--lr", 1e-2,
                "--micro_batch_size", 8, "--dtype", "float32", "--device", "cpu", "--compile", "off",
-               "--eval_every", 60, "--sample_len", 0, check=True)
+               "--eval_every", 60, "--num_samples", 0, check=True)
     assert "held out" in proc.stdout
     val = [r["val_loss"] for r in read_log(mid) if "val_loss" in r]
     assert val[-1] < val[0] - 2.0, val
