@@ -8,7 +8,7 @@ Laptop / CPU:   python prepare_fineweb.py --demo && python train_gpt2.py --demo
 The defaults reproduce GPT-2 124M on 10B tokens of FineWeb-Edu the way build-nanogpt does.
 
 Reader's map: flags (line 37), the model (116), the data loader (307), the schedule (441), one optimizer
-step (453), main() and the training loop (497). From line 676 on, the code that supports the loop: the
+step (453), main() and the training loop (497). From line 683 on, the code that supports the loop: the
 step's bookkeeping, checkpoints and resume, the log, Muon, devices and DDP/FSDP, HellaSwag, sampling, the
 tokenizer, files and flags, in blocks marked "shared" that tests/sync_shared.py copies into the other scripts.
 """
@@ -618,10 +618,13 @@ def main(argv=None):
             stop = step_val_loss is None
             if not stop:
                 val_loss = step_val_loss
+                if not math.isfinite(val_loss):  # diverged: no checkpoint of these weights
+                    stop_diverged(step, f"val loss {val_loss}", optimizers[0].param_groups[0]["lr"], args.out_dir, False)
                 log({"step": step, "val_loss": val_loss, "val_tokens": val_steps * B * T * world_size},
                     f"step {step:5d} | val loss {val_loss:.4f} ({val_steps * B * T * world_size:,} tokens)")
         if stop:
             save(step)
+            prune_checkpoints(args.out_dir, step, args.keep_checkpoints)
             if master:
                 print(f"stopped by signal at step {step}; continue with --resume", flush=True)
             break
@@ -646,10 +649,11 @@ def main(argv=None):
                 print(f"---- sample {i} ----\n{args.prompt}{enc.decode(row)}")
             raw_model.train()
 
-        # once in a while save a checkpoint
+        # once in a while save a checkpoint (older ones are pruned once its weights have given a finite loss)
         if step > start_step and (step % args.save_every == 0 or last_step):
             save(step)
         if last_step:
+            prune_checkpoints(args.out_dir, step, args.keep_checkpoints)
             break
 
         # one optimizer step
@@ -659,8 +663,11 @@ def main(argv=None):
                                             args.total_batch_size, args.grad_clip, autocast_ctx)
         loss, grad_norm, stop = agree_on_step(loss, grad_norm)
         lr = optimizers[0].param_groups[0]["lr"]  # the lr AdamW stepped with
-        if not math.isfinite(loss) or not math.isfinite(grad_norm):  # diverged: stop before anything saves it
-            stop_diverged(step, loss, grad_norm, lr, args.out_dir)
+        saved = step > start_step and step % args.save_every == 0  # a checkpoint of the weights this step started from
+        if not math.isfinite(loss) or not math.isfinite(grad_norm):  # diverged: stop before anything else is saved
+            stop_diverged(step, f"loss {loss}, gradient norm {grad_norm}", lr, args.out_dir, saved)
+        if saved:  # its weights gave a finite loss: now the oldest checkpoint can go
+            prune_checkpoints(args.out_dir, step, args.keep_checkpoints)
 
         # the log: a line every log_every steps, with the means since the last one
         step_log.add(step, loss, grad_norm, marks)
@@ -707,13 +714,15 @@ def stop_agreed(device):
     return bool(stop_flag.item())
 
 
-def stop_diverged(step, loss, grad_norm, lr, out_dir):
-    """A non-finite loss or gradient norm: stop at once on every rank, saving nothing, and say where to go on."""
-    newest = find_checkpoint(out_dir)
-    where = f"resume from {newest} with --resume and a lower --lr" if newest else "start again with a lower --lr"
+def stop_diverged(step, what, lr, out_dir, saved):
+    """A non-finite loss: stop at once on every rank, drop the checkpoint of these weights (saved), say where to go on."""
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"error: the run diverged at step {step}: loss {loss}, gradient norm {grad_norm} at lr {lr:.4e}; "
-              f"nothing was saved after it: {where}", file=sys.stderr)
+        if saved:
+            os.remove(os.path.join(out_dir, f"ckpt_{step:07d}.pt"))
+        newest = find_checkpoint(out_dir)
+        where = f"resume from {newest} with --resume and a lower --lr" if newest else "start again with a lower --lr"
+        print(f"error: the run diverged at step {step} ({what} at lr {lr:.4e}); nothing of it was saved: {where}",
+              file=sys.stderr)
     sys.exit(2)
 
 
@@ -838,8 +847,8 @@ def parameter_mib(model):
     return sum(p.numel() * p.element_size() for p in local) / 2**20
 
 
-def save_checkpoint(checkpoint, out_dir, step, keep):
-    """Written to a temp file and renamed, so a checkpoint on disk is never partial; keeps the newest `keep`."""
+def save_checkpoint(checkpoint, out_dir, step):
+    """Written to a temp file and renamed, so a checkpoint on disk is never partial."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"ckpt_{step:07d}.pt")
     if os.path.isdir(path):  # a folder in the way, which --resume passed over: moved aside, never deleted
@@ -849,12 +858,18 @@ def save_checkpoint(checkpoint, out_dir, step, keep):
         torch.save(checkpoint, f)
         fsync_file(f)
     rename_synced(path + ".tmp", path)
-    # prune the oldest, counting back from this one: a newer file is a leftover that --resume passed over (unreadable,
-    # or past where this run went on from), and pruning by name would delete the checkpoint just written instead
+    return path
+
+
+def prune_checkpoints(out_dir, step, keep):
+    """Keep the newest `keep` up to step's, counting back from it: a newer file is a leftover that --resume passed
+    over (unreadable, or past where this run went on from), and pruning by name would delete step's instead."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    path = os.path.join(out_dir, f"ckpt_{step:07d}.pt")
     older = [f for f in sorted(glob.glob(os.path.join(out_dir, CHECKPOINT_GLOB))) if f < path and os.path.isfile(f)]
     for old in older[:max(0, len(older) - (keep - 1))]:
         os.remove(old)
-    return path
 
 
 def save_training_checkpoint(raw_model, optimizers, scaler, args, step, **fields):
@@ -870,7 +885,7 @@ def save_training_checkpoint(raw_model, optimizers, scaler, args, step, **fields
             rng["cuda"] = torch.cuda.get_rng_state()
         checkpoint = {"model": model_state, "optimizer": optimizer_state, "scaler": scaler.state_dict(), "step": step,
                       "config": asdict(raw_model.config), "args": vars(args), "rng": rng, **fields}
-        path = save_checkpoint(checkpoint, args.out_dir, step, args.keep_checkpoints)
+        path = save_checkpoint(checkpoint, args.out_dir, step)
         print(f"saved {path}", flush=True)
     if dist.is_initialized():
         dist.barrier()

@@ -1,4 +1,5 @@
 import glob
+import math
 import os
 import signal
 import subprocess
@@ -409,3 +410,23 @@ def test_dtype_auto_on_cpu_picks_the_faster_matmul_and_says_so(capsys):
     if bf16 != fp32:  # the figures are rounded to 3 decimals
         assert (dtype == torch.bfloat16) == (bf16 > fp32)
     assert autocast_dtype("float32", "cpu") == torch.float32 and capsys.readouterr().err == ""  # no probe
+
+
+def test_divergence_stops_at_once_and_keeps_the_good_checkpoints(shards, tmp_path):
+    """--lr 1e6 on a good run: it stops at the first non-finite loss with one error line naming the newest good
+    checkpoint; the checkpoint of the diverged weights is gone, and no good one was pruned for it."""
+    out = tmp_path / "run"
+    run("train_gpt2.py", *TINY, "--data_dir", shards, "--out_dir", out, "--max_steps", 6, "--save_every", 2, check=True)
+    proc = run("train_gpt2.py", *TINY, "--data_dir", shards, "--out_dir", out, "--resume", "--max_steps", 40,
+               "--lr", 1e6, "--warmup_steps", 0)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: the run diverged at step "), err
+    assert f"resume from {out / 'ckpt_0000006.pt'} with --resume and a lower --lr" in err[0]
+    stopped = int(err[0].split("step ")[1].split()[0])
+    assert stopped <= 6 + 2  # within two steps of the lr that diverged
+    assert all(math.isfinite(loss) for loss in train_losses(out).values())  # no NaN step was trained on or logged
+    assert sorted(os.listdir(out)) == ["ckpt_0000002.pt", "ckpt_0000004.pt", "ckpt_0000006.pt", "log.jsonl"]
+    for name in ("ckpt_0000002.pt", "ckpt_0000004.pt", "ckpt_0000006.pt"):
+        weights = torch.load(out / name, weights_only=True)["model"].values()
+        assert all(torch.isfinite(w).all() for w in weights)
