@@ -550,12 +550,11 @@ def main(argv=None):
     train_loader = ShardLoader(train_files, B, T, rank, world_size, device, span, seed)
     val_loader = ShardLoader(val_files, B, T, rank, world_size, device)
     val_steps = max(1, args.val_tokens // (B * T * world_size))
-    one_pass = sum((len(tokens) - 1) // (B * T * world_size) for tokens in val_loader.shards)  # steps to read all once
-    if val_steps > one_pass:
-        val_steps = one_pass
-        if master:
-            print(f"--val_tokens {args.val_tokens:,} is more than the val shards hold: each eval reads them once, "
-                  f"{val_steps * B * T * world_size:,} tokens")
+    val_steps, clamped = min(val_steps, sum(val_loader.num_windows)), val_steps > sum(val_loader.num_windows)
+    val_tokens = val_steps * B * T * world_size
+    if clamped and master:
+        print(f"--val_tokens {args.val_tokens:,} is more than the val shards hold: each eval reads them once, "
+              f"{val_tokens:,} tokens")
     hellaswag_examples = load_hellaswag(args.hellaswag_file, args.hellaswag_limit) if args.hellaswag_file else None
     enc = get_tokenizer()
 
@@ -620,8 +619,8 @@ def main(argv=None):
                 val_loss = step_val_loss
                 if not math.isfinite(val_loss):  # diverged: no checkpoint of these weights
                     stop_diverged(step, f"val loss {val_loss}", optimizers[0].param_groups[0]["lr"], args.out_dir, False)
-                log({"step": step, "val_loss": val_loss, "val_tokens": val_steps * B * T * world_size},
-                    f"step {step:5d} | val loss {val_loss:.4f} ({val_steps * B * T * world_size:,} tokens)")
+                log({"step": step, "val_loss": val_loss, "val_tokens": val_tokens},
+                    f"step {step:5d} | val loss {val_loss:.4f} ({val_tokens:,} tokens)")
         if stop:
             save(step)
             prune_checkpoints(args.out_dir, step, args.keep_checkpoints)
