@@ -104,9 +104,11 @@ seed_int = ranged(int, 0, 2**32 - 1)  # what every RNG we seed takes
 
 
 # ---- shared: files ----
-def prepare_out_dir(path, flag):
-    """Create an output folder and check that it can be written, before any work starts. Remove the *.tmp files
-    that a killed save left there: finished files are renamed from them, so a .tmp is never the only copy."""
+def prepare_out_dir(path, flag, lock=True):
+    """Create an output folder and check that it can be written, before any work starts. With lock, refuse a
+    folder that a live run writes into, and hold it for this one. Remove the *.tmp files that a killed save left
+    there (after the lock: a live run's .tmp is its save in progress): finished files are renamed from them, so a
+    .tmp is never the only copy."""
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".write_check_{os.getpid()}")
@@ -116,12 +118,56 @@ def prepare_out_dir(path, flag):
     except OSError as e:
         die(f"{flag} {path} cannot be created or written ({e.strerror or type(e).__name__}); "
             f"give another folder or fix its permissions")
+    if lock:
+        lock_out_dir(path, flag)
     stale = [f for f in sorted(glob.glob(os.path.join(path, "*.tmp"))) if os.path.isfile(f)]
     for f in stale:
         os.remove(f)
     if stale:
         print(f"removed {len(stale)} stale temp file(s) of a killed save from {path}: "
-              f"{', '.join(os.path.basename(f) for f in stale)}", file=sys.stderr)
+              f"{', '.join(os.path.basename(f) for f in stale)}")
+
+
+held_locks = []  # this process's out_dir locks, open for its whole life: the kernel frees them when it ends
+
+
+def lock_out_dir(path, flag):
+    """Take path/.lock, or refuse the folder with one line naming the live run (pid, host) that holds it. The lock
+    is the kernel's (a POSIX fcntl lock): it goes when its process ends, SIGKILL and a machine crash included, so
+    there is never a stale lock to remove by hand, and forked workers (prepare_fineweb.py's pool) do not inherit it."""
+    import errno
+    import fcntl
+    import socket
+    fd = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EAGAIN):  # ENOLCK & co: a file system without working locks
+            os.close(fd)
+            print(f"{flag} {path}: this file system cannot lock files ({e.strerror}); a second run into it is not "
+                  f"refused", file=sys.stderr)
+            return
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a run that is starting"
+        os.close(fd)
+        die(f"{flag} {path} is in use by a running run ({holder}); wait for it to end or stop it, "
+            f"or give another {flag}")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+    held_locks.append(fd)
+
+
+def write_failed(path, error, fix):
+    """A file that could not be written (a full disk, a quota, a read-only mount) is one line naming it and the cause,
+    and its temp file is removed. error: the OSError, or an error it caused (torch.save's RuntimeError); others
+    are raised again, as bugs."""
+    cause = next((e for e in (error, error.__cause__, error.__context__) if isinstance(e, OSError)), None)
+    if cause is None:
+        raise error
+    try:
+        os.remove(path + ".tmp")
+    except OSError:
+        pass
+    die(f"cannot write {path} ({cause.strerror or type(cause).__name__}); {fix}")
 
 
 def fsync_file(f):
@@ -298,21 +344,30 @@ def tokenize_batch(docs):
     return out
 
 
+RESUME_FIX = "free space (or give another --out_dir), then run the same command again: it goes on after the last whole shard"
+
+
 def write_shard(path, tokens):
     header = np.zeros(256, dtype=np.int32)
     header[:3] = SHARD_MAGIC, SHARD_VERSION, len(tokens)
-    with open(path + ".tmp", "wb") as f:
-        f.write(header.tobytes())
-        f.write(tokens.tobytes())
-        fsync_file(f)
-    rename_synced(path + ".tmp", path)
+    try:
+        with open(path + ".tmp", "wb") as f:
+            f.write(header.tobytes())
+            f.write(tokens.tobytes())
+            fsync_file(f)
+        rename_synced(path + ".tmp", path)
+    except OSError as e:
+        write_failed(path, e, RESUME_FIX)
 
 
 def write_manifest(path, manifest):
-    with open(path + ".tmp", "w") as f:
-        json.dump(manifest, f, indent=1)
-        fsync_file(f)
-    rename_synced(path + ".tmp", path)
+    try:
+        with open(path + ".tmp", "w") as f:
+            json.dump(manifest, f, indent=1)
+            fsync_file(f)
+        rename_synced(path + ".tmp", path)
+    except OSError as e:
+        write_failed(path, e, RESUME_FIX)
 
 
 def read_manifest(path):

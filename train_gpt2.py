@@ -105,6 +105,8 @@ def get_args(argv=None):
     if args.resume:
         args = resume_args(args, given_flags(p, argv), fixed=("model", "n_layer", "n_head", "n_embd", "block_size",
                                                                "init_from", "optimizer"))
+    if not args.prompt and args.num_samples and os.environ.get("RANK", "0") == "0":
+        print("--prompt is empty: the in-loop samples start from <|endoftext|>")
     return args
 
 
@@ -152,9 +154,11 @@ seed_int = ranged(int, 0, 2**32 - 1)  # what every RNG we seed takes
 
 
 # ---- shared: files ----
-def prepare_out_dir(path, flag):
-    """Create an output folder and check that it can be written, before any work starts. Remove the *.tmp files
-    that a killed save left there: finished files are renamed from them, so a .tmp is never the only copy."""
+def prepare_out_dir(path, flag, lock=True):
+    """Create an output folder and check that it can be written, before any work starts. With lock, refuse a
+    folder that a live run writes into, and hold it for this one. Remove the *.tmp files that a killed save left
+    there (after the lock: a live run's .tmp is its save in progress): finished files are renamed from them, so a
+    .tmp is never the only copy."""
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".write_check_{os.getpid()}")
@@ -164,12 +168,56 @@ def prepare_out_dir(path, flag):
     except OSError as e:
         die(f"{flag} {path} cannot be created or written ({e.strerror or type(e).__name__}); "
             f"give another folder or fix its permissions")
+    if lock:
+        lock_out_dir(path, flag)
     stale = [f for f in sorted(glob.glob(os.path.join(path, "*.tmp"))) if os.path.isfile(f)]
     for f in stale:
         os.remove(f)
     if stale:
         print(f"removed {len(stale)} stale temp file(s) of a killed save from {path}: "
-              f"{', '.join(os.path.basename(f) for f in stale)}", file=sys.stderr)
+              f"{', '.join(os.path.basename(f) for f in stale)}")
+
+
+held_locks = []  # this process's out_dir locks, open for its whole life: the kernel frees them when it ends
+
+
+def lock_out_dir(path, flag):
+    """Take path/.lock, or refuse the folder with one line naming the live run (pid, host) that holds it. The lock
+    is the kernel's (a POSIX fcntl lock): it goes when its process ends, SIGKILL and a machine crash included, so
+    there is never a stale lock to remove by hand, and forked workers (prepare_fineweb.py's pool) do not inherit it."""
+    import errno
+    import fcntl
+    import socket
+    fd = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EAGAIN):  # ENOLCK & co: a file system without working locks
+            os.close(fd)
+            print(f"{flag} {path}: this file system cannot lock files ({e.strerror}); a second run into it is not "
+                  f"refused", file=sys.stderr)
+            return
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a run that is starting"
+        os.close(fd)
+        die(f"{flag} {path} is in use by a running run ({holder}); wait for it to end or stop it, "
+            f"or give another {flag}")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+    held_locks.append(fd)
+
+
+def write_failed(path, error, fix):
+    """A file that could not be written (a full disk, a quota, a read-only mount) is one line naming it and the cause,
+    and its temp file is removed. error: the OSError, or an error it caused (torch.save's RuntimeError); others
+    are raised again, as bugs."""
+    cause = next((e for e in (error, error.__cause__, error.__context__) if isinstance(e, OSError)), None)
+    if cause is None:
+        raise error
+    try:
+        os.remove(path + ".tmp")
+    except OSError:
+        pass
+    die(f"cannot write {path} ({cause.strerror or type(cause).__name__}); {fix}")
 
 
 def fsync_file(f):
@@ -502,6 +550,51 @@ def autocast_context(device_type, dtype):
 # ---- end shared: distributed ----
 
 
+# ---- shared: memory ----
+memory_advice = "lower the batch size"  # what to lower when memory runs out; main() names its batch once it knows it
+MEMORY_PHASES = {"train_step": "a training step", "evaluate_val_loss": "the val loss eval", "evaluate_val": "the val eval",
+                 "generate": "sampling", "evaluate_hellaswag": "the HellaSwag eval"}  # where, by the function that ran out
+
+
+def on_out_of_memory(advice):
+    """Set the advice of the out-of-memory line: the batch that failed and what to lower."""
+    global memory_advice
+    memory_advice = advice
+
+
+def is_out_of_memory(e):
+    """torch.OutOfMemoryError (CUDA, MPS), or a failed CPU allocation, which torch reports as a RuntimeError."""
+    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or (isinstance(e, RuntimeError) and any(
+        text in str(e) for text in ("can't allocate memory", "not enough memory", "out of memory")))
+
+
+def exit_on_out_of_memory(main):
+    """Run main(); running out of memory anywhere in it is one line naming where and what to lower, exit 2, after
+    the memory is given back: the frames that held the tensors are gone once the error has left main()."""
+    try:
+        return main()
+    except Exception as e:
+        if not is_out_of_memory(e):
+            raise
+        import traceback  # where: the outermost of our functions that was running
+        phase = next((MEMORY_PHASES[frame.f_code.co_name] for frame, _ in traceback.walk_tb(e.__traceback__)
+                      if frame.f_code.co_name in MEMORY_PHASES), None)
+        memory = "GPU" if isinstance(e, torch.OutOfMemoryError) else "CPU"
+    import gc
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    die(f"out of {memory} memory{f' in {phase}' if phase else ''}: {memory_advice}")
+
+
+def micro_batch_advice(B, T, total_batch_size):
+    """The advice of the training scripts: the micro-batch that failed, and what to lower."""
+    return (f"the micro-batch is --micro_batch_size {B} x --seq_len {T}; lower --micro_batch_size (gradient "
+            f"accumulation keeps --total_batch_size {total_batch_size}); if 1 does not fit, the model and its "
+            f"optimizer state do not: a smaller model, or --fsdp over several GPUs")
+# ---- end shared: memory ----
+
+
 # ---- shared: checkpoint ----
 CHECKPOINT_GLOB = "ckpt_*.pt"
 
@@ -819,10 +912,13 @@ def open_run_log(args, master, start_step, wandb_run_id):
                 print(f"{path}: dropping {broken} unreadable (half-written) line(s)", file=sys.stderr)
             kept = [line.rstrip(b"\n") + b"\n" for line, record in records
                     if record is not None and record.get("step", 0) < start_step]
-        with open(path + ".tmp", "wb") as f:
-            f.writelines(kept)
-            fsync_file(f)
-        rename_synced(path + ".tmp", path)
+        try:
+            with open(path + ".tmp", "wb") as f:
+                f.writelines(kept)
+                fsync_file(f)
+            rename_synced(path + ".tmp", path)
+        except OSError as e:
+            write_failed(path, e, "free space in --out_dir or give another one")
         if args.wandb_project:
             import wandb
             try:
@@ -836,8 +932,12 @@ def open_run_log(args, master, start_step, wandb_run_id):
     def log(record, line):
         if master:
             print(line, flush=True)
-            with open(path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            try:
+                with open(path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            except OSError as e:
+                write_failed(path, e, "free space (or move --out_dir), then go on with --resume from the newest "
+                                      "checkpoint: a half-written last line is dropped then")
             if wandb_run is not None:
                 wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
 
@@ -1191,10 +1291,15 @@ def save_checkpoint(checkpoint, out_dir, step, keep):
     if os.path.isdir(path):  # a folder in the way, which --resume passed over: moved aside, never deleted
         os.replace(path, path + f".folder_{int(time.time())}")
         print(f"moved the folder {path} aside to {path}.folder_* to save the checkpoint there", file=sys.stderr)
-    with open(path + ".tmp", "wb") as f:
-        torch.save(checkpoint, f)
-        fsync_file(f)
-    rename_synced(path + ".tmp", path)
+    try:
+        with open(path + ".tmp", "wb") as f:
+            torch.save(checkpoint, f)
+            fsync_file(f)
+        rename_synced(path + ".tmp", path)
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
+        older = find_checkpoint(out_dir)
+        write_failed(path, e, f"free space in --out_dir {out_dir} (or move it), then go on with --resume from "
+                              f"{os.path.basename(older) if older else 'the start'}: the older checkpoints are as they were")
     # prune the oldest, counting back from this one: a newer file is a leftover that --resume passed over (unreadable,
     # or past where this run went on from), and pruning by name would delete the checkpoint just written instead
     older = [f for f in sorted(glob.glob(os.path.join(out_dir, CHECKPOINT_GLOB))) if f < path and os.path.isfile(f)]
@@ -1304,6 +1409,7 @@ def main(argv=None):
         die(f"--total_batch_size {args.total_batch_size} is not divisible by micro_batch_size * seq_len * world_size "
             f"= {B} * {T} * {world_size}; change --total_batch_size or --micro_batch_size")
     grad_accum_steps = args.total_batch_size // (B * T * world_size)
+    on_out_of_memory(micro_batch_advice(B, T, args.total_batch_size))
     if args.hellaswag_file and not os.path.isfile(args.hellaswag_file):
         die(f"--hellaswag_file {args.hellaswag_file} is not a file (missing, or a folder); python hellaswag.py downloads it into data/hellaswag")
     if master:
@@ -1429,7 +1535,7 @@ def main(argv=None):
         if (master or args.fsdp) and args.num_samples and step > start_step and (step % args.eval_every == 0 or last_step):
             raw_model.eval()
             generator = torch.Generator(device).manual_seed(args.seed + step)  # leaves the training RNG alone
-            prompt = torch.tensor([enc.encode(args.prompt)] * args.num_samples, device=device)
+            prompt = torch.tensor([enc.encode(args.prompt) or [EOT_TOKEN]] * args.num_samples, device=device)
             tokens = torch.cat(list(generate(raw_model, prompt, args.sample_len, enc.n_vocab, top_k=50,
                                              generator=generator, autocast_ctx=autocast_ctx)), dim=1)
             for i, row in enumerate(tokens.tolist() if master else []):
@@ -1467,4 +1573,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_out_of_memory(main)
