@@ -741,4 +741,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    exit_on_out_of_memory(main)
+    try:
+        exit_on_out_of_memory(main)
+    except KeyboardInterrupt:  # Ctrl-C ends the eval: no traceback
+        sys.exit(130)

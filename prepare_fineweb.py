@@ -18,6 +18,7 @@ import multiprocessing as mp
 import os
 import random
 import re
+import signal
 import socket
 import sys
 import sysconfig
@@ -332,6 +333,7 @@ _enc = None
 def init_worker():
     global _enc
     _enc = get_tokenizer()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the workers too: the main process alone stops
 
 
 def tokenize_batch(docs):
@@ -513,4 +515,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C: the shards written so far are whole, and the manifest lists them
+        print("\nstopped: run the same command again to go on after the last whole shard", file=sys.stderr)
+        sys.exit(130)

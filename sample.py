@@ -680,4 +680,11 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    exit_on_out_of_memory(main)
+    try:
+        exit_on_out_of_memory(main)
+    except KeyboardInterrupt:  # Ctrl-C ends a sample: no traceback
+        print(file=sys.stderr)
+        sys.exit(130)
+    except BrokenPipeError:  # the reader (| head) has all it wants: stop quietly, as the Python docs advise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when stdout is flushed at exit
+        sys.exit(1)

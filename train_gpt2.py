@@ -1299,7 +1299,8 @@ def save_checkpoint(checkpoint, out_dir, step, keep):
     except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
         older = find_checkpoint(out_dir)
         write_failed(path, e, f"free space in --out_dir {out_dir} (or move it), then go on with --resume from "
-                              f"{os.path.basename(older) if older else 'the start'}: the older checkpoints are as they were")
+                              f"{os.path.basename(older)}: the older checkpoints are as they were" if older else
+                              f"free space in --out_dir {out_dir} or give another one, then start the run again")
     # prune the oldest, counting back from this one: a newer file is a leftover that --resume passed over (unreadable,
     # or past where this run went on from), and pruning by name would delete the checkpoint just written instead
     older = [f for f in sorted(glob.glob(os.path.join(out_dir, CHECKPOINT_GLOB))) if f < path and os.path.isfile(f)]
