@@ -120,6 +120,7 @@ def get_args(argv=None):
         args = resume_args(args, given_flags(p, argv), fixed=("init_ckpt", "init_from", "optimizer", "seed", "val_fraction"))
     if args.demo and not args.resume and args.init_ckpt and find_checkpoint(args.init_ckpt) is None:
         die(f"--demo starts from {args.init_ckpt}, which holds no checkpoint: run python train_gpt2.py --demo first")
+    check_fsdp(args)
     return args
 
 
@@ -1177,6 +1178,14 @@ def resume_args(args, given, fixed):
     if changed and os.environ.get("RANK", "0") == "0":
         print(f"resume: flags changed since the checkpoint: {', '.join(changed)}")
     return args
+
+
+def check_fsdp(args):
+    """--fsdp's conditions, checked when the flags are parsed: a failing run's stderr is then its one error line."""
+    if args.fsdp and int(os.environ.get("WORLD_SIZE", 1)) < 2:
+        die("--fsdp shards over processes: launch with torchrun --nproc_per_node=N")
+    if args.fsdp and (args.optimizer == "muon" or args.dtype == "float16"):
+        die("--fsdp trains with AdamW in bfloat16 or float32; drop --optimizer muon / --dtype float16")
 
 
 def restore_training_state(checkpoint, raw_model, optimizers, scaler):

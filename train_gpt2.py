@@ -105,6 +105,7 @@ def get_args(argv=None):
     if args.resume:
         args = resume_args(args, given_flags(p, argv), fixed=("model", "n_layer", "n_head", "n_embd", "block_size",
                                                                "init_from", "optimizer"))
+    check_fsdp(args)
     if not args.prompt and args.num_samples and os.environ.get("RANK", "0") == "0":
         print("--prompt is empty: the in-loop samples start from <|endoftext|>")
     return args
@@ -1360,6 +1361,14 @@ def resume_args(args, given, fixed):
     if changed and os.environ.get("RANK", "0") == "0":
         print(f"resume: flags changed since the checkpoint: {', '.join(changed)}")
     return args
+
+
+def check_fsdp(args):
+    """--fsdp's conditions, checked when the flags are parsed: a failing run's stderr is then its one error line."""
+    if args.fsdp and int(os.environ.get("WORLD_SIZE", 1)) < 2:
+        die("--fsdp shards over processes: launch with torchrun --nproc_per_node=N")
+    if args.fsdp and (args.optimizer == "muon" or args.dtype == "float16"):
+        die("--fsdp trains with AdamW in bfloat16 or float32; drop --optimizer muon / --dtype float16")
 
 
 def restore_training_state(checkpoint, raw_model, optimizers, scaler):
