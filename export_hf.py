@@ -85,8 +85,10 @@ def main(argv=None):
         die(f"{args.out_dir} is not empty and holds no earlier export; give a new --out_dir")
     try:
         from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+        from transformers.utils.logging import disable_progress_bar
     except ImportError:
         die("the export needs transformers: pip install transformers")
+    disable_progress_bar()  # its "Writing model shards" bar on stderr would come before an error line
     checkpoint, path = load_checkpoint(args.ckpt)
     model = model_from_checkpoint(checkpoint).eval()
     chat = checkpoint.get("kind") == "mid"
@@ -113,8 +115,15 @@ def main(argv=None):
         os.makedirs(tmp_dir)
     except OSError as e:
         die(f"--out_dir {args.out_dir} cannot be created or written ({e.strerror}); give another folder")
-    hf_model.save_pretrained(tmp_dir)
-    tokenizer = write_tokenizer(tmp_dir, chat, c.block_size)
+    try:
+        hf_model.save_pretrained(tmp_dir)
+        tokenizer = write_tokenizer(tmp_dir, chat, c.block_size)
+    except Exception as e:  # a full disk, a quota: an OSError, or safetensors' SafetensorError naming the I/O error
+        if not isinstance(e, OSError) and "I/O error" not in str(e):
+            raise
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        cause = e.strerror if isinstance(e, OSError) else str(e).split("I/O error: ")[-1].split(" (os error")[0]
+        die(f"cannot write the export into {tmp_dir} ({cause}); free space or give another --out_dir, then run it again")
 
     # check: the folder as transformers loads it gives our tokens and our logits
     text = "def main():\n    print('Hello, world')  # a check"

@@ -66,7 +66,7 @@ def hellaswag_file(args):
     path = os.path.join(args.cache_dir, f"hellaswag_{args.split}.jsonl")
     if not os.path.exists(path):
         url = HELLASWAG_URL.format(split=args.split)
-        prepare_out_dir(args.cache_dir, "--cache_dir")
+        prepare_out_dir(args.cache_dir, "--cache_dir", lock=False)  # a cache: evals may share it
         try:
             with urllib.request.urlopen(url, timeout=30) as response, open(path + ".tmp", "wb") as f:
                 f.write(response.read())
@@ -177,6 +177,8 @@ def main(argv=None):
         dist.broadcast_object_list(shared)
         path = shared[0]
     examples = load_hellaswag(path, args.limit)
+    on_out_of_memory(f"a batch is --batch_size {args.batch_size} examples (4 rows each); lower --batch_size, or "
+                     f"give --cast_weights (weights in --dtype) or --device cpu")
     if not examples:
         die(f"{path} holds no examples")
     if args.hf:
@@ -251,9 +253,9 @@ seed_int = ranged(int, 0, 2**32 - 1)  # what every RNG we seed takes
 
 
 # ---- shared: files ----
-def prepare_out_dir(path, flag):
-    """Create an output folder and check that it can be written, before any work starts. Remove the *.tmp files
-    that a killed save left there: finished files are renamed from them, so a .tmp is never the only copy."""
+def prepare_out_dir(path, flag, lock=True):
+    """Create an output folder, check that it can be written and (lock) that no live run writes into it, before any
+    work starts. Then remove the *.tmp of a killed save: finished files are renamed from them, never the only copy."""
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".write_check_{os.getpid()}")
@@ -263,12 +265,53 @@ def prepare_out_dir(path, flag):
     except OSError as e:
         die(f"{flag} {path} cannot be created or written ({e.strerror or type(e).__name__}); "
             f"give another folder or fix its permissions")
+    if lock:  # before the .tmp files go: a live run's .tmp is its save in progress
+        lock_out_dir(path, flag)
     stale = [f for f in sorted(glob.glob(os.path.join(path, "*.tmp"))) if os.path.isfile(f)]
     for f in stale:
         os.remove(f)
     if stale:
         print(f"removed {len(stale)} stale temp file(s) of a killed save from {path}: "
-              f"{', '.join(os.path.basename(f) for f in stale)}", file=sys.stderr)
+              f"{', '.join(os.path.basename(f) for f in stale)}")
+
+
+held_locks = []  # this process's out_dir locks, open for its whole life: the kernel frees them when it ends
+
+
+def lock_out_dir(path, flag):
+    """Take path/.lock, or refuse the folder with one line naming the live run (pid, host) that holds it."""
+    import errno
+    import fcntl
+    import socket
+    fd = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:  # a POSIX lock is the kernel's: it goes with its process (SIGKILL, a crash), and forked workers lack it
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EAGAIN):  # ENOLCK & co: a file system without working locks
+            os.close(fd)
+            print(f"{flag} {path}: this file system cannot lock files ({e.strerror}); a second run into it is not "
+                  f"refused", file=sys.stderr)
+            return
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a run that is starting"
+        os.close(fd)
+        die(f"{flag} {path} is in use by a running run ({holder}); wait for it to end or stop it, "
+            f"or give another {flag}")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+    held_locks.append(fd)
+
+
+def write_failed(path, error, fix):
+    """A failed write (full disk, quota, read-only mount) is one line naming the file and the cause; its .tmp goes.
+    error: the OSError, or one it caused (torch.save's RuntimeError); anything else is raised again, as a bug."""
+    cause = next((e for e in (error, error.__cause__, error.__context__) if isinstance(e, OSError)), None)
+    if cause is None:
+        raise error
+    try:
+        os.remove(path + ".tmp")
+    except OSError:
+        pass
+    die(f"cannot write {path} ({cause.strerror or type(cause).__name__}); {fix}")
 
 
 def fsync_file(f):
@@ -600,6 +643,51 @@ def autocast_context(device_type, dtype):
 # ---- end shared: distributed ----
 
 
+# ---- shared: memory ----
+memory_advice = "lower the batch size"  # what to lower when memory runs out; main() names its batch once it knows it
+MEMORY_PHASES = {"train_step": "a training step", "evaluate_val_loss": "the val loss eval", "evaluate_val": "the val eval",
+                 "generate": "sampling", "evaluate_hellaswag": "the HellaSwag eval"}  # where, by the function that ran out
+
+
+def on_out_of_memory(advice):
+    """Set the advice of the out-of-memory line: the batch that failed and what to lower."""
+    global memory_advice
+    memory_advice = advice
+
+
+def is_out_of_memory(e):
+    """torch.OutOfMemoryError (CUDA, MPS), or a failed CPU allocation, which torch reports as a RuntimeError."""
+    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or (isinstance(e, RuntimeError) and any(
+        text in str(e) for text in ("can't allocate memory", "not enough memory", "out of memory")))
+
+
+def exit_on_out_of_memory(main):
+    """Run main(); running out of memory anywhere in it is one line naming where and what to lower, exit 2, once the
+    memory is given back (the frames that held the tensors are gone when the error has left main())."""
+    try:
+        return main()
+    except Exception as e:
+        if not is_out_of_memory(e):
+            raise
+        import traceback  # where: the outermost of our functions that was running
+        phase = next((MEMORY_PHASES[frame.f_code.co_name] for frame, _ in traceback.walk_tb(e.__traceback__)
+                      if frame.f_code.co_name in MEMORY_PHASES), None)
+        memory = "GPU" if isinstance(e, torch.OutOfMemoryError) else "CPU"
+    import gc
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    die(f"out of {memory} memory{f' in {phase}' if phase else ''}: {memory_advice}")
+
+
+def micro_batch_advice(B, T, total_batch_size):
+    """The advice of the training scripts: the micro-batch that failed, and what to lower."""
+    return (f"the micro-batch is --micro_batch_size {B} x --seq_len {T}; lower --micro_batch_size (gradient "
+            f"accumulation keeps --total_batch_size {total_batch_size}); if 1 does not fit, the model and its "
+            f"optimizer state do not: a smaller model, or --fsdp over several GPUs")
+# ---- end shared: memory ----
+
+
 # ---- shared: checkpoint ----
 CHECKPOINT_GLOB = "ckpt_*.pt"
 
@@ -655,4 +743,7 @@ def model_from_checkpoint(checkpoint):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        exit_on_out_of_memory(main)
+    except KeyboardInterrupt:  # Ctrl-C ends the eval: no traceback
+        sys.exit(130)

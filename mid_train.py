@@ -8,8 +8,8 @@ midtraining does). The same loop as pretraining, different data.
     python sample.py --ckpt out/mid --chat
     python mid_train.py --demo      # offline: out/demo taught to answer "What does json.dumps do?" from the stdlib
 
-Reader's map: flags (line 44), the model (128), the chat format (319), the data (349), the schedule (668), one
-optimizer step (678), main() and the training loop (722). From line 912 on, the code that supports the loop: the
+Reader's map: flags (line 44), the model (129), the chat format (320), the data (350), the schedule (669), one
+optimizer step (679), main() and the training loop (723). From line 914 on, the code that supports the loop: the
 step's bookkeeping, checkpoints and resume, the log, Muon, devices and DDP/FSDP, sampling, files and flags.
 """
 
@@ -122,6 +122,7 @@ def get_args(argv=None):
         args = resume_args(args, p, argv, fixed=("init_ckpt", "init_from", "optimizer", "seed", "val_fraction"))
     if args.demo and not args.resume and args.init_ckpt and find_checkpoint(args.init_ckpt) is None:
         die(f"--demo starts from {args.init_ckpt}, which holds no checkpoint: run python train_gpt2.py --demo first")
+    check_fsdp(args)
     return args
 
 
@@ -749,6 +750,7 @@ def main(argv=None):
         die(f"--total_batch_size {total_batch_size} is not divisible by micro_batch_size * seq_len * world_size "
             f"= {B} * {T} * {world_size}; change --total_batch_size or --micro_batch_size")
     grad_accum_steps = total_batch_size // (B * T * world_size)
+    on_out_of_memory(micro_batch_advice(B, T, total_batch_size))  # what its one line says, should memory run out
 
     # ---- the data: conversations rendered and packed into rows of T + 1 tokens
     splits = build_data(args, enc, T + 1)
@@ -1044,11 +1046,7 @@ def setup_training(raw_model, args, dtype):
     device = next(raw_model.parameters()).device
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     autocast_ctx = autocast_context(device.type, dtype)
-    if args.fsdp:
-        if world_size == 1:
-            die("--fsdp shards over processes: launch with torchrun --nproc_per_node=N")
-        if args.optimizer == "muon" or dtype == torch.float16:
-            die("--fsdp trains with AdamW in bfloat16 or float32; drop --optimizer muon / --dtype float16")
+    if args.fsdp:  # check_fsdp has checked its conditions
         # FSDP2: each block, then the rest (embedding tied with the head, final norm). With bfloat16 the blocks
         # compute in it from fp32 master weights, and gradients are reduced in fp32
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 \
@@ -1083,10 +1081,16 @@ def save_checkpoint(checkpoint, out_dir, step):
     if os.path.isdir(path):  # a folder in the way, which --resume passed over: moved aside, never deleted
         os.replace(path, path + f".folder_{int(time.time())}")
         print(f"moved the folder {path} aside to {path}.folder_* to save the checkpoint there", file=sys.stderr)
-    with open(path + ".tmp", "wb") as f:
-        torch.save(checkpoint, f)
-        fsync_file(f)
-    rename_synced(path + ".tmp", path)
+    try:
+        with open(path + ".tmp", "wb") as f:
+            torch.save(checkpoint, f)
+            fsync_file(f)
+        rename_synced(path + ".tmp", path)
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
+        older = find_checkpoint(out_dir)
+        write_failed(path, e, f"free space in --out_dir {out_dir} (or move it), then go on with --resume from "
+                              f"{os.path.basename(older)}: the older checkpoints are as they were" if older else
+                              f"free space in --out_dir {out_dir} or give another one, then start the run again")
     return path
 
 
@@ -1148,6 +1152,14 @@ def resume_args(args, parser, argv, fixed):
     return args
 
 
+def check_fsdp(args):
+    """--fsdp's conditions, checked when the flags are parsed: a failing run's stderr is then its one error line."""
+    if args.fsdp and int(os.environ.get("WORLD_SIZE", 1)) < 2:
+        die("--fsdp shards over processes: launch with torchrun --nproc_per_node=N")
+    if args.fsdp and (args.optimizer == "muon" or args.dtype == "float16"):
+        die("--fsdp trains with AdamW in bfloat16 or float32; drop --optimizer muon / --dtype float16")
+
+
 def restore_training_state(checkpoint, raw_model, optimizers, scaler):
     """Optimizer, scaler and RNG state; returns (step, val_loss, wandb_run_id) to go on from. The optimizers keep
     this run's hyperparameters (lr...): the old run's would silently override a new --lr."""
@@ -1163,6 +1175,51 @@ def restore_training_state(checkpoint, raw_model, optimizers, scaler):
         torch.cuda.set_rng_state(checkpoint["rng"]["cuda"])
     return checkpoint["step"], checkpoint["val_loss"], checkpoint["wandb_run_id"]
 # ---- end shared: loop ----
+
+
+# ---- shared: memory ----
+memory_advice = "lower the batch size"  # what to lower when memory runs out; main() names its batch once it knows it
+MEMORY_PHASES = {"train_step": "a training step", "evaluate_val_loss": "the val loss eval", "evaluate_val": "the val eval",
+                 "generate": "sampling", "evaluate_hellaswag": "the HellaSwag eval"}  # where, by the function that ran out
+
+
+def on_out_of_memory(advice):
+    """Set the advice of the out-of-memory line: the batch that failed and what to lower."""
+    global memory_advice
+    memory_advice = advice
+
+
+def is_out_of_memory(e):
+    """torch.OutOfMemoryError (CUDA, MPS), or a failed CPU allocation, which torch reports as a RuntimeError."""
+    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or (isinstance(e, RuntimeError) and any(
+        text in str(e) for text in ("can't allocate memory", "not enough memory", "out of memory")))
+
+
+def exit_on_out_of_memory(main):
+    """Run main(); running out of memory anywhere in it is one line naming where and what to lower, exit 2, once the
+    memory is given back (the frames that held the tensors are gone when the error has left main())."""
+    try:
+        return main()
+    except Exception as e:
+        if not is_out_of_memory(e):
+            raise
+        import traceback  # where: the outermost of our functions that was running
+        phase = next((MEMORY_PHASES[frame.f_code.co_name] for frame, _ in traceback.walk_tb(e.__traceback__)
+                      if frame.f_code.co_name in MEMORY_PHASES), None)
+        memory = "GPU" if isinstance(e, torch.OutOfMemoryError) else "CPU"
+    import gc
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    die(f"out of {memory} memory{f' in {phase}' if phase else ''}: {memory_advice}")
+
+
+def micro_batch_advice(B, T, total_batch_size):
+    """The advice of the training scripts: the micro-batch that failed, and what to lower."""
+    return (f"the micro-batch is --micro_batch_size {B} x --seq_len {T}; lower --micro_batch_size (gradient "
+            f"accumulation keeps --total_batch_size {total_batch_size}); if 1 does not fit, the model and its "
+            f"optimizer state do not: a smaller model, or --fsdp over several GPUs")
+# ---- end shared: memory ----
 
 
 # ---- shared: logging ----
@@ -1199,10 +1256,13 @@ def open_run_log(args, start_step, wandb_run_id):
                 print(f"{path}: dropping {broken} unreadable (half-written) line(s)", file=sys.stderr)
             kept = [line.rstrip(b"\n") + b"\n" for line, record in records
                     if record is not None and record.get("step", 0) < start_step]
-        with open(path + ".tmp", "wb") as f:
-            f.writelines(kept)
-            fsync_file(f)
-        rename_synced(path + ".tmp", path)
+        try:
+            with open(path + ".tmp", "wb") as f:
+                f.writelines(kept)
+                fsync_file(f)
+            rename_synced(path + ".tmp", path)
+        except OSError as e:
+            write_failed(path, e, "free space in --out_dir or give another one")
         if args.wandb_project:
             import wandb
             try:
@@ -1216,8 +1276,12 @@ def open_run_log(args, start_step, wandb_run_id):
     def log(record, line):
         if master:
             print(line, flush=True)
-            with open(path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            try:
+                with open(path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            except OSError as e:
+                write_failed(path, e, "free space (or move --out_dir), then go on with --resume from the newest "
+                                      "checkpoint: a half-written last line is dropped then")
             if wandb_run is not None:
                 wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
 
@@ -1535,9 +1599,9 @@ def progress(iterable, desc, enabled=True):
 
 
 # ---- shared: files ----
-def prepare_out_dir(path, flag):
-    """Create an output folder and check that it can be written, before any work starts. Remove the *.tmp files
-    that a killed save left there: finished files are renamed from them, so a .tmp is never the only copy."""
+def prepare_out_dir(path, flag, lock=True):
+    """Create an output folder, check that it can be written and (lock) that no live run writes into it, before any
+    work starts. Then remove the *.tmp of a killed save: finished files are renamed from them, never the only copy."""
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".write_check_{os.getpid()}")
@@ -1547,12 +1611,53 @@ def prepare_out_dir(path, flag):
     except OSError as e:
         die(f"{flag} {path} cannot be created or written ({e.strerror or type(e).__name__}); "
             f"give another folder or fix its permissions")
+    if lock:  # before the .tmp files go: a live run's .tmp is its save in progress
+        lock_out_dir(path, flag)
     stale = [f for f in sorted(glob.glob(os.path.join(path, "*.tmp"))) if os.path.isfile(f)]
     for f in stale:
         os.remove(f)
     if stale:
         print(f"removed {len(stale)} stale temp file(s) of a killed save from {path}: "
-              f"{', '.join(os.path.basename(f) for f in stale)}", file=sys.stderr)
+              f"{', '.join(os.path.basename(f) for f in stale)}")
+
+
+held_locks = []  # this process's out_dir locks, open for its whole life: the kernel frees them when it ends
+
+
+def lock_out_dir(path, flag):
+    """Take path/.lock, or refuse the folder with one line naming the live run (pid, host) that holds it."""
+    import errno
+    import fcntl
+    import socket
+    fd = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:  # a POSIX lock is the kernel's: it goes with its process (SIGKILL, a crash), and forked workers lack it
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EAGAIN):  # ENOLCK & co: a file system without working locks
+            os.close(fd)
+            print(f"{flag} {path}: this file system cannot lock files ({e.strerror}); a second run into it is not "
+                  f"refused", file=sys.stderr)
+            return
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a run that is starting"
+        os.close(fd)
+        die(f"{flag} {path} is in use by a running run ({holder}); wait for it to end or stop it, "
+            f"or give another {flag}")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+    held_locks.append(fd)
+
+
+def write_failed(path, error, fix):
+    """A failed write (full disk, quota, read-only mount) is one line naming the file and the cause; its .tmp goes.
+    error: the OSError, or one it caused (torch.save's RuntimeError); anything else is raised again, as a bug."""
+    cause = next((e for e in (error, error.__cause__, error.__context__) if isinstance(e, OSError)), None)
+    if cause is None:
+        raise error
+    try:
+        os.remove(path + ".tmp")
+    except OSError:
+        pass
+    die(f"cannot write {path} ({cause.strerror or type(cause).__name__}); {fix}")
 
 
 def fsync_file(f):
@@ -1620,4 +1725,4 @@ seed_int = ranged(int, 0, 2**32 - 1)  # what every RNG we seed takes
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_out_of_memory(main)

@@ -18,6 +18,7 @@ import multiprocessing as mp
 import os
 import random
 import re
+import signal
 import socket
 import sys
 import sysconfig
@@ -171,6 +172,7 @@ _enc = None
 def init_worker():
     global _enc
     _enc = get_tokenizer()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the workers too: the main process alone stops
 
 
 def tokenize_batch(docs):
@@ -183,21 +185,30 @@ def tokenize_batch(docs):
     return out
 
 
+RESUME_FIX = "free space (or give another --out_dir), then run the same command again: it goes on after the last whole shard"
+
+
 def write_shard(path, tokens):
     header = np.zeros(256, dtype=np.int32)
     header[:3] = SHARD_MAGIC, SHARD_VERSION, len(tokens)
-    with open(path + ".tmp", "wb") as f:
-        f.write(header.tobytes())
-        f.write(tokens.tobytes())
-        fsync_file(f)
-    rename_synced(path + ".tmp", path)
+    try:
+        with open(path + ".tmp", "wb") as f:
+            f.write(header.tobytes())
+            f.write(tokens.tobytes())
+            fsync_file(f)
+        rename_synced(path + ".tmp", path)
+    except OSError as e:
+        write_failed(path, e, RESUME_FIX)
 
 
 def write_manifest(path, manifest):
-    with open(path + ".tmp", "w") as f:
-        json.dump(manifest, f, indent=1)
-        fsync_file(f)
-    rename_synced(path + ".tmp", path)
+    try:
+        with open(path + ".tmp", "w") as f:
+            json.dump(manifest, f, indent=1)
+            fsync_file(f)
+        rename_synced(path + ".tmp", path)
+    except OSError as e:
+        write_failed(path, e, RESUME_FIX)
 
 
 def read_manifest(path):
@@ -391,9 +402,9 @@ seed_int = ranged(int, 0, 2**32 - 1)  # what every RNG we seed takes
 
 
 # ---- shared: files ----
-def prepare_out_dir(path, flag):
-    """Create an output folder and check that it can be written, before any work starts. Remove the *.tmp files
-    that a killed save left there: finished files are renamed from them, so a .tmp is never the only copy."""
+def prepare_out_dir(path, flag, lock=True):
+    """Create an output folder, check that it can be written and (lock) that no live run writes into it, before any
+    work starts. Then remove the *.tmp of a killed save: finished files are renamed from them, never the only copy."""
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".write_check_{os.getpid()}")
@@ -403,12 +414,53 @@ def prepare_out_dir(path, flag):
     except OSError as e:
         die(f"{flag} {path} cannot be created or written ({e.strerror or type(e).__name__}); "
             f"give another folder or fix its permissions")
+    if lock:  # before the .tmp files go: a live run's .tmp is its save in progress
+        lock_out_dir(path, flag)
     stale = [f for f in sorted(glob.glob(os.path.join(path, "*.tmp"))) if os.path.isfile(f)]
     for f in stale:
         os.remove(f)
     if stale:
         print(f"removed {len(stale)} stale temp file(s) of a killed save from {path}: "
-              f"{', '.join(os.path.basename(f) for f in stale)}", file=sys.stderr)
+              f"{', '.join(os.path.basename(f) for f in stale)}")
+
+
+held_locks = []  # this process's out_dir locks, open for its whole life: the kernel frees them when it ends
+
+
+def lock_out_dir(path, flag):
+    """Take path/.lock, or refuse the folder with one line naming the live run (pid, host) that holds it."""
+    import errno
+    import fcntl
+    import socket
+    fd = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:  # a POSIX lock is the kernel's: it goes with its process (SIGKILL, a crash), and forked workers lack it
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EAGAIN):  # ENOLCK & co: a file system without working locks
+            os.close(fd)
+            print(f"{flag} {path}: this file system cannot lock files ({e.strerror}); a second run into it is not "
+                  f"refused", file=sys.stderr)
+            return
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a run that is starting"
+        os.close(fd)
+        die(f"{flag} {path} is in use by a running run ({holder}); wait for it to end or stop it, "
+            f"or give another {flag}")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+    held_locks.append(fd)
+
+
+def write_failed(path, error, fix):
+    """A failed write (full disk, quota, read-only mount) is one line naming the file and the cause; its .tmp goes.
+    error: the OSError, or one it caused (torch.save's RuntimeError); anything else is raised again, as a bug."""
+    cause = next((e for e in (error, error.__cause__, error.__context__) if isinstance(e, OSError)), None)
+    if cause is None:
+        raise error
+    try:
+        os.remove(path + ".tmp")
+    except OSError:
+        pass
+    die(f"cannot write {path} ({cause.strerror or type(cause).__name__}); {fix}")
 
 
 def fsync_file(f):
@@ -461,4 +513,8 @@ def get_tokenizer(special_tokens=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C: the shards written so far are whole, and the manifest lists them
+        print("\nstopped: run the same command again to go on after the last whole shard", file=sys.stderr)
+        sys.exit(130)

@@ -118,13 +118,19 @@ def main(argv=None):
             prompt = "" if sys.stdin.isatty() else sys.stdin.read()
     except UnicodeDecodeError:
         die(f"the prompt ({args.prompt_file or 'stdin'}) is not UTF-8 text; convert it, e.g. with iconv")
+    on_out_of_memory("sampling runs one sequence at a time: give --cast_weights --dtype bfloat16 (weights in bf16), "
+                     "or --device cpu")
     if args.hf:
         model, kind = GPT.from_pretrained(args.hf), "base"
     else:
         checkpoint, path = load_checkpoint(args.ckpt)
         model, kind = model_from_checkpoint(checkpoint), checkpoint.get("kind", "base")
-        print(f"loaded {path} ({kind}, step {checkpoint.get('step')})", file=sys.stderr)
+        loaded = f"loaded {path} ({kind}, step {checkpoint.get('step')})"
         del checkpoint
+    if args.chat and kind != "mid":  # before any line on stderr: a failing run's stderr is its one error line
+        die("--chat needs a checkpoint of mid_train.py (this one is a base model); sample with a --prompt instead")
+    if not args.hf:
+        print(loaded, file=sys.stderr)
     if device_type == "cpu":  # many threads on small single-token matmuls stall whenever another process has a core
         threads = args.threads or (torch.get_num_threads() if os.environ.get("OMP_NUM_THREADS") else 1)
         torch.set_num_threads(threads)
@@ -141,8 +147,6 @@ def main(argv=None):
                         args.top_p, generator, use_cache=not args.no_cache, autocast_ctx=autocast_ctx)
 
     if args.chat:
-        if kind != "mid":
-            die("--chat needs a checkpoint of mid_train.py (this one is a base model); sample with a --prompt instead")
         return chat(enc, generate_from)
 
     prompt_ids = enc.encode_ordinary(prompt) if prompt else [EOT_TOKEN]
@@ -535,6 +539,51 @@ def autocast_context(device_type, dtype):
 # ---- end shared: distributed ----
 
 
+# ---- shared: memory ----
+memory_advice = "lower the batch size"  # what to lower when memory runs out; main() names its batch once it knows it
+MEMORY_PHASES = {"train_step": "a training step", "evaluate_val_loss": "the val loss eval", "evaluate_val": "the val eval",
+                 "generate": "sampling", "evaluate_hellaswag": "the HellaSwag eval"}  # where, by the function that ran out
+
+
+def on_out_of_memory(advice):
+    """Set the advice of the out-of-memory line: the batch that failed and what to lower."""
+    global memory_advice
+    memory_advice = advice
+
+
+def is_out_of_memory(e):
+    """torch.OutOfMemoryError (CUDA, MPS), or a failed CPU allocation, which torch reports as a RuntimeError."""
+    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or (isinstance(e, RuntimeError) and any(
+        text in str(e) for text in ("can't allocate memory", "not enough memory", "out of memory")))
+
+
+def exit_on_out_of_memory(main):
+    """Run main(); running out of memory anywhere in it is one line naming where and what to lower, exit 2, once the
+    memory is given back (the frames that held the tensors are gone when the error has left main())."""
+    try:
+        return main()
+    except Exception as e:
+        if not is_out_of_memory(e):
+            raise
+        import traceback  # where: the outermost of our functions that was running
+        phase = next((MEMORY_PHASES[frame.f_code.co_name] for frame, _ in traceback.walk_tb(e.__traceback__)
+                      if frame.f_code.co_name in MEMORY_PHASES), None)
+        memory = "GPU" if isinstance(e, torch.OutOfMemoryError) else "CPU"
+    import gc
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    die(f"out of {memory} memory{f' in {phase}' if phase else ''}: {memory_advice}")
+
+
+def micro_batch_advice(B, T, total_batch_size):
+    """The advice of the training scripts: the micro-batch that failed, and what to lower."""
+    return (f"the micro-batch is --micro_batch_size {B} x --seq_len {T}; lower --micro_batch_size (gradient "
+            f"accumulation keeps --total_batch_size {total_batch_size}); if 1 does not fit, the model and its "
+            f"optimizer state do not: a smaller model, or --fsdp over several GPUs")
+# ---- end shared: memory ----
+
+
 # ---- shared: checkpoint ----
 CHECKPOINT_GLOB = "ckpt_*.pt"
 
@@ -636,4 +685,11 @@ def generate(model, idx, max_new_tokens, n_vocab, temperature=1.0, top_k=None, t
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        exit_on_out_of_memory(main)
+    except KeyboardInterrupt:  # Ctrl-C ends a sample: no traceback
+        print(file=sys.stderr)
+        sys.exit(130)
+    except BrokenPipeError:  # the reader (| head) has all it wants: stop quietly, as the Python docs advise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when stdout is flushed at exit
+        sys.exit(1)

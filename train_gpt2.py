@@ -7,8 +7,8 @@ Laptop / CPU:   python prepare_fineweb.py --demo && python train_gpt2.py --demo
 
 The defaults reproduce GPT-2 124M on 10B tokens of FineWeb-Edu the way build-nanogpt does.
 
-Reader's map: flags (line 37), the model (116), the data loader (307), the schedule (441), one optimizer
-step (453), main() and the training loop (497). From line 683 on, the code that supports the loop: the
+Reader's map: flags (line 37), the model (119), the data loader (310), the schedule (444), one optimizer
+step (456), main() and the training loop (500). From line 686 on, the code that supports the loop: the
 step's bookkeeping, checkpoints and resume, the log, Muon, devices and DDP/FSDP, HellaSwag, sampling, the
 tokenizer, files and flags, in blocks marked "shared" that tests/sync_shared.py copies into the other scripts.
 """
@@ -110,6 +110,9 @@ def get_args(argv=None):
     if args.resume:
         args = resume_args(args, p, argv, fixed=("model", "n_layer", "n_head", "n_embd", "block_size", "init_from",
                                                  "optimizer"))
+    check_fsdp(args)
+    if not args.prompt and args.num_samples and os.environ.get("RANK", "0") == "0":
+        print("--prompt is empty: the in-loop samples start from <|endoftext|>")
     return args
 
 
@@ -517,6 +520,7 @@ def main(argv=None):
         die(f"--total_batch_size {args.total_batch_size} is not divisible by micro_batch_size * seq_len * world_size "
             f"= {B} * {T} * {world_size}; change --total_batch_size or --micro_batch_size")
     grad_accum_steps = args.total_batch_size // (B * T * world_size)
+    on_out_of_memory(micro_batch_advice(B, T, args.total_batch_size))  # what its one line says, should memory run out
     if master:
         prepare_out_dir(args.out_dir, "--out_dir")
 
@@ -641,7 +645,7 @@ def main(argv=None):
         if evaluate and args.num_samples and step > start_step and (master or args.fsdp):  # FSDP: all ranks forward
             raw_model.eval()
             generator = torch.Generator(device).manual_seed(args.seed + step)  # leaves the training RNG alone
-            prompt = torch.tensor([enc.encode(args.prompt)] * args.num_samples, device=device)
+            prompt = torch.tensor([enc.encode(args.prompt) or [EOT_TOKEN]] * args.num_samples, device=device)
             tokens = torch.cat(list(generate(raw_model, prompt, args.sample_len, enc.n_vocab, top_k=50,
                                              generator=generator, autocast_ctx=autocast_ctx)), dim=1)
             for i, row in enumerate(tokens.tolist() if master else []):
@@ -814,11 +818,7 @@ def setup_training(raw_model, args, dtype):
     device = next(raw_model.parameters()).device
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     autocast_ctx = autocast_context(device.type, dtype)
-    if args.fsdp:
-        if world_size == 1:
-            die("--fsdp shards over processes: launch with torchrun --nproc_per_node=N")
-        if args.optimizer == "muon" or dtype == torch.float16:
-            die("--fsdp trains with AdamW in bfloat16 or float32; drop --optimizer muon / --dtype float16")
+    if args.fsdp:  # check_fsdp has checked its conditions
         # FSDP2: each block, then the rest (embedding tied with the head, final norm). With bfloat16 the blocks
         # compute in it from fp32 master weights, and gradients are reduced in fp32
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 \
@@ -853,10 +853,16 @@ def save_checkpoint(checkpoint, out_dir, step):
     if os.path.isdir(path):  # a folder in the way, which --resume passed over: moved aside, never deleted
         os.replace(path, path + f".folder_{int(time.time())}")
         print(f"moved the folder {path} aside to {path}.folder_* to save the checkpoint there", file=sys.stderr)
-    with open(path + ".tmp", "wb") as f:
-        torch.save(checkpoint, f)
-        fsync_file(f)
-    rename_synced(path + ".tmp", path)
+    try:
+        with open(path + ".tmp", "wb") as f:
+            torch.save(checkpoint, f)
+            fsync_file(f)
+        rename_synced(path + ".tmp", path)
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
+        older = find_checkpoint(out_dir)
+        write_failed(path, e, f"free space in --out_dir {out_dir} (or move it), then go on with --resume from "
+                              f"{os.path.basename(older)}: the older checkpoints are as they were" if older else
+                              f"free space in --out_dir {out_dir} or give another one, then start the run again")
     return path
 
 
@@ -918,6 +924,14 @@ def resume_args(args, parser, argv, fixed):
     return args
 
 
+def check_fsdp(args):
+    """--fsdp's conditions, checked when the flags are parsed: a failing run's stderr is then its one error line."""
+    if args.fsdp and int(os.environ.get("WORLD_SIZE", 1)) < 2:
+        die("--fsdp shards over processes: launch with torchrun --nproc_per_node=N")
+    if args.fsdp and (args.optimizer == "muon" or args.dtype == "float16"):
+        die("--fsdp trains with AdamW in bfloat16 or float32; drop --optimizer muon / --dtype float16")
+
+
 def restore_training_state(checkpoint, raw_model, optimizers, scaler):
     """Optimizer, scaler and RNG state; returns (step, val_loss, wandb_run_id) to go on from. The optimizers keep
     this run's hyperparameters (lr...): the old run's would silently override a new --lr."""
@@ -933,6 +947,51 @@ def restore_training_state(checkpoint, raw_model, optimizers, scaler):
         torch.cuda.set_rng_state(checkpoint["rng"]["cuda"])
     return checkpoint["step"], checkpoint["val_loss"], checkpoint["wandb_run_id"]
 # ---- end shared: loop ----
+
+
+# ---- shared: memory ----
+memory_advice = "lower the batch size"  # what to lower when memory runs out; main() names its batch once it knows it
+MEMORY_PHASES = {"train_step": "a training step", "evaluate_val_loss": "the val loss eval", "evaluate_val": "the val eval",
+                 "generate": "sampling", "evaluate_hellaswag": "the HellaSwag eval"}  # where, by the function that ran out
+
+
+def on_out_of_memory(advice):
+    """Set the advice of the out-of-memory line: the batch that failed and what to lower."""
+    global memory_advice
+    memory_advice = advice
+
+
+def is_out_of_memory(e):
+    """torch.OutOfMemoryError (CUDA, MPS), or a failed CPU allocation, which torch reports as a RuntimeError."""
+    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or (isinstance(e, RuntimeError) and any(
+        text in str(e) for text in ("can't allocate memory", "not enough memory", "out of memory")))
+
+
+def exit_on_out_of_memory(main):
+    """Run main(); running out of memory anywhere in it is one line naming where and what to lower, exit 2, once the
+    memory is given back (the frames that held the tensors are gone when the error has left main())."""
+    try:
+        return main()
+    except Exception as e:
+        if not is_out_of_memory(e):
+            raise
+        import traceback  # where: the outermost of our functions that was running
+        phase = next((MEMORY_PHASES[frame.f_code.co_name] for frame, _ in traceback.walk_tb(e.__traceback__)
+                      if frame.f_code.co_name in MEMORY_PHASES), None)
+        memory = "GPU" if isinstance(e, torch.OutOfMemoryError) else "CPU"
+    import gc
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    die(f"out of {memory} memory{f' in {phase}' if phase else ''}: {memory_advice}")
+
+
+def micro_batch_advice(B, T, total_batch_size):
+    """The advice of the training scripts: the micro-batch that failed, and what to lower."""
+    return (f"the micro-batch is --micro_batch_size {B} x --seq_len {T}; lower --micro_batch_size (gradient "
+            f"accumulation keeps --total_batch_size {total_batch_size}); if 1 does not fit, the model and its "
+            f"optimizer state do not: a smaller model, or --fsdp over several GPUs")
+# ---- end shared: memory ----
 
 
 # ---- shared: logging ----
@@ -969,10 +1028,13 @@ def open_run_log(args, start_step, wandb_run_id):
                 print(f"{path}: dropping {broken} unreadable (half-written) line(s)", file=sys.stderr)
             kept = [line.rstrip(b"\n") + b"\n" for line, record in records
                     if record is not None and record.get("step", 0) < start_step]
-        with open(path + ".tmp", "wb") as f:
-            f.writelines(kept)
-            fsync_file(f)
-        rename_synced(path + ".tmp", path)
+        try:
+            with open(path + ".tmp", "wb") as f:
+                f.writelines(kept)
+                fsync_file(f)
+            rename_synced(path + ".tmp", path)
+        except OSError as e:
+            write_failed(path, e, "free space in --out_dir or give another one")
         if args.wandb_project:
             import wandb
             try:
@@ -986,8 +1048,12 @@ def open_run_log(args, start_step, wandb_run_id):
     def log(record, line):
         if master:
             print(line, flush=True)
-            with open(path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            try:
+                with open(path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            except OSError as e:
+                write_failed(path, e, "free space (or move --out_dir), then go on with --resume from the newest "
+                                      "checkpoint: a half-written last line is dropped then")
             if wandb_run is not None:
                 wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
 
@@ -1395,9 +1461,9 @@ def progress(iterable, desc, enabled=True):
 
 
 # ---- shared: files ----
-def prepare_out_dir(path, flag):
-    """Create an output folder and check that it can be written, before any work starts. Remove the *.tmp files
-    that a killed save left there: finished files are renamed from them, so a .tmp is never the only copy."""
+def prepare_out_dir(path, flag, lock=True):
+    """Create an output folder, check that it can be written and (lock) that no live run writes into it, before any
+    work starts. Then remove the *.tmp of a killed save: finished files are renamed from them, never the only copy."""
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".write_check_{os.getpid()}")
@@ -1407,12 +1473,53 @@ def prepare_out_dir(path, flag):
     except OSError as e:
         die(f"{flag} {path} cannot be created or written ({e.strerror or type(e).__name__}); "
             f"give another folder or fix its permissions")
+    if lock:  # before the .tmp files go: a live run's .tmp is its save in progress
+        lock_out_dir(path, flag)
     stale = [f for f in sorted(glob.glob(os.path.join(path, "*.tmp"))) if os.path.isfile(f)]
     for f in stale:
         os.remove(f)
     if stale:
         print(f"removed {len(stale)} stale temp file(s) of a killed save from {path}: "
-              f"{', '.join(os.path.basename(f) for f in stale)}", file=sys.stderr)
+              f"{', '.join(os.path.basename(f) for f in stale)}")
+
+
+held_locks = []  # this process's out_dir locks, open for its whole life: the kernel frees them when it ends
+
+
+def lock_out_dir(path, flag):
+    """Take path/.lock, or refuse the folder with one line naming the live run (pid, host) that holds it."""
+    import errno
+    import fcntl
+    import socket
+    fd = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:  # a POSIX lock is the kernel's: it goes with its process (SIGKILL, a crash), and forked workers lack it
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EAGAIN):  # ENOLCK & co: a file system without working locks
+            os.close(fd)
+            print(f"{flag} {path}: this file system cannot lock files ({e.strerror}); a second run into it is not "
+                  f"refused", file=sys.stderr)
+            return
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a run that is starting"
+        os.close(fd)
+        die(f"{flag} {path} is in use by a running run ({holder}); wait for it to end or stop it, "
+            f"or give another {flag}")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+    held_locks.append(fd)
+
+
+def write_failed(path, error, fix):
+    """A failed write (full disk, quota, read-only mount) is one line naming the file and the cause; its .tmp goes.
+    error: the OSError, or one it caused (torch.save's RuntimeError); anything else is raised again, as a bug."""
+    cause = next((e for e in (error, error.__cause__, error.__context__) if isinstance(e, OSError)), None)
+    if cause is None:
+        raise error
+    try:
+        os.remove(path + ".tmp")
+    except OSError:
+        pass
+    die(f"cannot write {path} ({cause.strerror or type(cause).__name__}); {fix}")
 
 
 def fsync_file(f):
@@ -1480,4 +1587,4 @@ seed_int = ranged(int, 0, 2**32 - 1)  # what every RNG we seed takes
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_out_of_memory(main)

@@ -271,7 +271,9 @@ def results(tmp_path_factory):
         case_env = {**base_env, **{k: v.format(tmp=tmp) for k, v in env.items() if v is not None}}
         for key in (k for k, v in env.items() if v is None):
             case_env.pop(key, None)
-        cases.append((c.id, os.path.join(REPO, script), [str(a).format(tmp=tmp) for a in args], case_env, tmp))
+        own = {f"{tmp}/out": f"{tmp}/out_{c.id}", f"{tmp}/mid": f"{tmp}/mid_{c.id}"}  # cases run at once, and an
+        args = [own.get(a, a) for a in (str(a).format(tmp=tmp) for a in args)]  # out_dir in use is refused
+        cases.append((c.id, os.path.join(REPO, script), args, case_env, tmp))
     proc = subprocess.run([sys.executable, "-c", RUNNER], input=json.dumps(cases), capture_output=True, text=True,
                           env={**base_env}, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -308,7 +310,7 @@ def run_dir(tmp_path_factory):
     write_shard(str(tmp / "data" / "t_train_000001.bin"), tokens[::-1])
     run("train_gpt2.py", *TINY, "--data_dir", tmp / "data", "--out_dir", tmp / "run", "--max_steps", 4,
         "--save_every", 2, "--eval_every", 2, check=True)
-    assert sorted(os.listdir(tmp / "run")) == ["ckpt_0000002.pt", "ckpt_0000004.pt", "log.jsonl"]
+    assert sorted(os.listdir(tmp / "run")) == [".lock", "ckpt_0000002.pt", "ckpt_0000004.pt", "log.jsonl"]
     return tmp
 
 
@@ -348,7 +350,7 @@ def test_pruning_never_deletes_the_new_checkpoint_below_a_broken_newer_one(run_d
     proc = run("train_gpt2.py", "--out_dir", out, "--resume", "--max_steps", 3, "--save_every", 1,
                "--keep_checkpoints", 1)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sorted(os.listdir(out)) == ["ckpt_0000003.pt", "ckpt_0000004.pt", "log.jsonl"]
+    assert sorted(os.listdir(out)) == [".lock", "ckpt_0000003.pt", "ckpt_0000004.pt", "log.jsonl"]
     assert torch_load(out / "ckpt_0000003.pt")["step"] == 3
 
 
@@ -363,8 +365,8 @@ def test_resume_drops_a_half_written_log_line_and_stale_temp_files(run_dir, tmp_
     proc = resume(run_dir, out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "dropping 1 unreadable (half-written) line" in proc.stderr
-    assert "removed 2 stale temp file(s)" in proc.stderr and "ckpt_0000004.pt.tmp" in proc.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["ckpt_0000002.pt", "ckpt_0000004.pt", "log.jsonl"]
+    assert "removed 2 stale temp file(s)" in proc.stdout and "ckpt_0000004.pt.tmp" in proc.stdout
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "ckpt_0000002.pt", "ckpt_0000004.pt", "log.jsonl"]
     records = read_log(out)  # every line whole again
     assert [r["step"] for r in records if "loss" in r] == [0, 1, 2, 3]
     assert [r["step"] for r in records if "val_loss" in r] == [0, 2, 4]
@@ -382,7 +384,7 @@ def test_prepare_continues_after_a_truncated_manifest(tmp_path):
     proc = run("prepare_fineweb.py", *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "manifest.json is unreadable" in proc.stderr and "Traceback" not in proc.stderr
-    assert "removed 1 stale temp file(s)" in proc.stderr
+    assert "removed 1 stale temp file(s)" in proc.stdout
     assert {p.name: p.read_bytes() for p in (tmp_path / "shards").glob("*.bin")} == shards
     assert json.loads((tmp_path / "shards" / "manifest.json").read_text())["complete"] is True
     assert not list((tmp_path / "shards").glob("*.tmp"))

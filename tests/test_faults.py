@@ -1,0 +1,119 @@
+"""Faults a long run meets at run time: out of memory, a failed write (full disk), a second run into a live out_dir,
+a run killed with SIGKILL. Each ends in one `error:` line, or not at all where the fault is gone."""
+
+import glob
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+from conftest import REPO, TINY, read_log, run, stdlib_files
+
+
+def run_limited(script, *args, limit, name=resource.RLIMIT_AS):
+    """Run a script under a resource limit (set in the child only); SIGXFSZ ignored, so that a write past
+    RLIMIT_FSIZE fails with EFBIG, as a write to a full disk fails with ENOSPC, instead of killing the process."""
+    def limit_child():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(name, (limit, limit))
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, os.path.join(REPO, script), *map(str, args)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600, preexec_fn=limit_child)
+
+
+def one_error_line(proc):
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: "), \
+        f"exit {proc.returncode}, stderr:\n{proc.stderr[-3000:]}"
+    return lines[0]
+
+
+def test_out_of_memory_is_one_line_naming_the_micro_batch(shards, tmp_path):
+    # the logits of 32 x 1024 tokens alone are 6.6 GB in float32: more than the 4 GB of address space allowed
+    args = [*TINY, "--block_size", 1024, "--seq_len", 1024, "--micro_batch_size", 32, "--total_batch_size", 32768,
+            "--data_dir", shards, "--out_dir", tmp_path / "run", "--max_steps", 2, "--val_tokens", 32768]
+    line = one_error_line(run_limited("train_gpt2.py", *args, limit=4 * 2**30))
+    assert "out of CPU memory" in line and "--micro_batch_size 32 x --seq_len 1024" in line, line
+    assert "lower --micro_batch_size" in line
+
+
+def test_failed_checkpoint_write_is_one_line_and_keeps_the_older_checkpoint(shards, tmp_path):
+    out = tmp_path / "run"
+    common = [*TINY, "--data_dir", shards, "--out_dir", out, "--eval_every", 100, "--save_every", 2]
+    run("train_gpt2.py", *common, "--max_steps", 2, check=True)
+    # a checkpoint of this model is ~20 MB, the log a few kB: only the save at step 4 fails (EFBIG, as ENOSPC would)
+    proc = run_limited("train_gpt2.py", *common, "--max_steps", 4, "--resume", limit=2**20,
+                       name=resource.RLIMIT_FSIZE)
+    line = one_error_line(proc)
+    assert proc.returncode == 2 and "ckpt_0000004.pt" in line and "File too large" in line, line
+    assert "--resume" in line and "ckpt_0000002.pt" in line, line
+    assert glob.glob(str(out / "*.tmp")) == [] and not os.path.exists(out / "ckpt_0000004.pt")
+    old = torch.load(out / "ckpt_0000002.pt", weights_only=True)
+    assert old["step"] == 2
+    assert [r["step"] for r in read_log(out) if "loss" in r] == [0, 1, 2, 3]  # the log went on to the failed save
+
+
+def test_failed_shard_write_is_one_line(tmp_path):
+    out = tmp_path / "shards"
+    proc = run_limited("prepare_fineweb.py", "--input", *stdlib_files(20), "--out_dir", out, "--shard_size", 100_000,
+                       "--workers", 1, limit=150_000, name=resource.RLIMIT_FSIZE)  # a shard is 201 kB
+    line = one_error_line(proc)
+    assert "_val_000000.bin" in line and "File too large" in line and "run the same command again" in line
+    assert glob.glob(str(out / "*.tmp")) == []
+
+
+def wait_for(condition, timeout=120):
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.2)
+
+
+def logged_steps(out_dir):
+    """The train steps in a live run's log.jsonl, its last line left out: the run may be writing it."""
+    if not os.path.exists(out_dir / "log.jsonl"):
+        return []
+    with open(out_dir / "log.jsonl") as f:
+        lines = f.read().split("\n")[:-1]
+    return [json.loads(line)["step"] for line in lines if '"loss"' in line]
+
+
+def test_a_live_out_dir_is_refused_and_a_killed_runs_is_free_at_once(shards, tmp_path):
+    out = tmp_path / "run"
+    args = [*TINY, "--data_dir", shards, "--out_dir", out, "--eval_every", 10_000, "--save_every", 10_000]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen([sys.executable, os.path.join(REPO, "train_gpt2.py"), *map(str, args), "--max_steps",
+                              "100000"], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: len(logged_steps(out)) >= 2)
+        start = time.time()
+        second = run("train_gpt2.py", *args, "--max_steps", 5, timeout=60)
+        assert time.time() - start < 30
+        line = one_error_line(second)
+        assert second.returncode == 2 and f"pid {first.pid} on host" in line and "--out_dir" in line, line
+        steps = logged_steps(out)
+        assert steps == list(range(len(steps))) and first.poll() is None  # the first run's log: untouched, going on
+    finally:
+        first.kill()  # SIGKILL: no handler runs, only the kernel frees the lock
+        first.wait()
+    third = run("train_gpt2.py", *args, "--max_steps", 1)
+    assert third.returncode == 0, third.stderr[-3000:]
+
+
+def test_empty_prompt_samples_from_endoftext(shards, tmp_path):
+    proc = run("train_gpt2.py", *TINY, "--data_dir", shards, "--out_dir", tmp_path / "run", "--max_steps", 2,
+               "--eval_every", 2, "--num_samples", 1, "--sample_len", 4, "--prompt", "", check=True)
+    assert "--prompt is empty: the in-loop samples start from <|endoftext|>" in proc.stdout
+    assert "---- sample 0 ----" in proc.stdout
+
+
+def test_chat_on_a_base_checkpoint_is_one_stderr_line(base_ckpt):
+    proc = run("sample.py", "--ckpt", base_ckpt, "--chat", "--device", "cpu")
+    line = one_error_line(proc)
+    assert "--chat needs a checkpoint of mid_train.py" in line
