@@ -768,11 +768,6 @@ def main(argv=None):
             f"checkpoint; resume with the same --data, --seq_len and --seed")
     args.max_steps = args.max_steps or max(1, len(train_tokens) // (B * world_size * grad_accum_steps))  # one pass
 
-    # raw_model is what is saved, sampled and scored; model is what trains and evaluates (DDP-wrapped, compiled)
-    raw_model.to(device)
-    dtype = autocast_dtype(args.dtype, device_type, raw_model.config.n_embd)
-    model, optimizers, scaler, autocast_ctx = setup_training(raw_model, args, dtype)
-
     # ---- the loaders
     train_loader = RowLoader(train_tokens, train_mask, B, rank, world_size, device)
     # FSDP needs every rank to run as many val forwards as the others: pad the val rows to a whole micro-batch on
@@ -784,6 +779,11 @@ def main(argv=None):
     # UTF-8 bytes of each token id, for bits per byte; special tokens and padding ids have none and are left out
     bytes_per_token = torch.tensor([len(enc.decode_single_token_bytes(i)) if i < EOT_TOKEN else 0
                                     for i in range(raw_model.config.vocab_size)], dtype=torch.float, device=device)
+
+    # raw_model is what is saved, sampled and scored; model is what trains and evaluates (DDP-wrapped, compiled)
+    raw_model.to(device)
+    dtype = autocast_dtype(args.dtype, device_type, raw_model.config.n_embd)
+    model, optimizers, scaler, autocast_ctx = setup_training(raw_model, args, dtype)
 
     # ---- where a resumed run was, and the log
     start_step, val_loss, wandb_run_id = 0, None, None

@@ -543,11 +543,6 @@ def main(argv=None):
                 f"not fit in memory; make it smaller")
     if T > raw_model.config.block_size:
         die(f"--seq_len {T} is beyond the model's context of {raw_model.config.block_size}; lower --seq_len")
-    # raw_model is what is saved, sampled and scored; model is what trains and evaluates (DDP-wrapped, compiled)
-    raw_model.to(device)
-    dtype = autocast_dtype(args.dtype, device_type, raw_model.config.n_embd)
-    model, optimizers, scaler, autocast_ctx = setup_training(raw_model, args, dtype)
-
     # ---- the data
     # shuffled, a window is a whole step (total_batch_size tokens): the order is the same for any process count
     span, seed = (grad_accum_steps, args.seed) if args.data_order == "shuffled" else (1, None)
@@ -561,6 +556,11 @@ def main(argv=None):
               f"{val_tokens:,} tokens")
     hellaswag_examples = load_hellaswag(args.hellaswag_file, args.hellaswag_limit) if args.hellaswag_file else None
     enc = get_tokenizer()
+
+    # raw_model is what is saved, sampled and scored; model is what trains and evaluates (DDP-wrapped, compiled)
+    raw_model.to(device)
+    dtype = autocast_dtype(args.dtype, device_type, raw_model.config.n_embd)
+    model, optimizers, scaler, autocast_ctx = setup_training(raw_model, args, dtype)
 
     # ---- where a resumed run was, and the log
     start_step, val_loss, wandb_run_id = 0, None, None

@@ -426,7 +426,7 @@ def test_divergence_stops_at_once_and_keeps_the_good_checkpoints(shards, tmp_pat
     stopped = int(err[0].split("step ")[1].split()[0])
     assert stopped <= 6 + 2  # within two steps of the lr that diverged
     assert all(math.isfinite(loss) for loss in train_losses(out).values())  # no NaN step was trained on or logged
-    assert sorted(os.listdir(out)) == ["ckpt_0000002.pt", "ckpt_0000004.pt", "ckpt_0000006.pt", "log.jsonl"]
+    assert sorted(os.listdir(out)) == [".lock", "ckpt_0000002.pt", "ckpt_0000004.pt", "ckpt_0000006.pt", "log.jsonl"]
     for name in ("ckpt_0000002.pt", "ckpt_0000004.pt", "ckpt_0000006.pt"):
         weights = torch.load(out / name, weights_only=True)["model"].values()
         assert all(torch.isfinite(w).all() for w in weights)
