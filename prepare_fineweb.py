@@ -10,6 +10,7 @@ where it stopped when run again with the same flags.
 """
 
 import argparse
+import ast
 import collections
 import glob
 import itertools
@@ -302,7 +303,6 @@ def reflow(text):
 
 def docstrings(source):
     """A module's docstrings (the module's, then its classes' and functions'), the short ones left out."""
-    import ast
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
@@ -318,12 +318,13 @@ def demo_documents(not_utf8):
         doc = "\n\n".join(reflow(d) for d in docstrings(source))
         if doc:
             yield doc
-    import ast
     path = os.path.join(sysconfig.get_paths()["stdlib"], "pydoc_data", "topics.py")
-    assigns = [node for node in ast.parse(open(path, encoding="utf-8").read()).body if isinstance(node, ast.Assign)]
-    topics = [node.value for node in assigns if any(getattr(t, "id", "") == "topics" for t in node.targets)]
+    topics = []  # some Linux distributions package pydoc_data apart
+    for source in local_documents([path] if os.path.isfile(path) else [], "text", not_utf8):
+        assigns = [node for node in ast.parse(source).body if isinstance(node, ast.Assign)]
+        topics = [node.value for node in assigns if any(getattr(t, "id", "") == "topics" for t in node.targets)]
     if not topics:
-        print(f"{path} holds no topics dict in this Python version; the demo corpus is the docstrings alone")
+        print(f"no topics dict in {path}: the demo corpus is the docstrings alone")
     for text in ast.literal_eval(topics[0]).values() if topics else []:
         yield reflow(text)
 
