@@ -279,26 +279,17 @@ def demo_files():
     return files
 
 
-def reindent(text):
-    """Leading indentation at one space per four (a tab is four), trailing blanks dropped. GPT-2's BPE spends a
-    token on every space of indentation but the last, so that raw code is half whitespace-only tokens."""
-    text = re.sub(r"(?m)[ \t]+$", "", text)
-    return re.sub(r"(?m)^[ \t]+", lambda m: " " * ((len(m.group().expandtabs(4)) + 3) // 4), text)
-
-
 def reflow(text):
-    """Each paragraph of plain lines joined into one line (wrapping newlines are a token apiece); indented
-    blocks, lists and doctests kept as lines, re-indented. Runs of spaces inside a line (two after a full stop,
-    aligned table columns) become one, and title underlines and table rules go: a space run is a token a space."""
+    """Prose only, a paragraph a line: wrapped lines joined, indented lines (code examples, grammar rules) and
+    doctests left out, runs of spaces made one, reST title underlines and table rules dropped. GPT-2's BPE spends a
+    token on every newline and on every space of a run, which a small model then learns to emit first."""
+    text = re.sub(r"(?m)^[ \t]*[-+=*~^|]{3,}[-+=*~^| \t]*$", "", text)  # title underlines, table rules
     paragraphs = []
-    text = re.sub(r"(?m)^[ \t]*[-+=*~^|]{3,}[-+=*~^| \t]*\n", "", text)  # title underlines, table rules
-    text = re.sub(r"(?<=\S)[ \t]{2,}", " ", text)  # two spaces after a full stop, aligned table columns
-    for para in re.split(r"\n(?:[ \t]*\n)+", text.strip("\n")):
-        lines = para.split("\n")
-        if all(line[:1].strip() for line in lines) and not re.match(r"(>>>|[-*+] |\d+\. )", para):
-            para = " ".join(line.strip() for line in lines)
-        paragraphs.append(reindent(para))
-    return "\n\n".join(paragraphs)
+    for para in re.split(r"\n(?:[ \t]*\n)+", text):
+        lines = [line for line in para.split("\n") if line[:1].strip() and not line.startswith(">>>")]
+        if lines:
+            paragraphs.append(re.sub(r"[ \t]+", " ", " ".join(lines)).strip())
+    return "\n".join(paragraphs)  # not a blank line: before a word, GPT-2 splits "\n\n" into two tokens
 
 
 def docstrings(source):
@@ -315,7 +306,7 @@ def demo_documents(not_utf8):
     """The demo corpus, English from the standard library: each module's docstrings as a document, then the
     language reference topics of pydoc_data (what help("for") prints), paragraphs joined into lines."""
     for source in local_documents(demo_files(), "text", not_utf8):
-        doc = "\n\n".join(reflow(d) for d in docstrings(source))
+        doc = "\n".join(reflow(d) for d in docstrings(source))
         if doc:
             yield doc
     path = os.path.join(sysconfig.get_paths()["stdlib"], "pydoc_data", "topics.py")
