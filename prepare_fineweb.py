@@ -53,7 +53,7 @@ def get_args(argv=None):
     args = p.parse_args(argv)
     if args.demo:
         args.out_dir = args.out_dir or "data/demo"
-        args.shard_size = 65_536 if args.shard_size == p.get_default("shard_size") else args.shard_size  # of 0.5M
+        args.shard_size = 65_536 if args.shard_size == p.get_default("shard_size") else args.shard_size  # of 373K
     args.out_dir = args.out_dir or f"data/{args.dataset}-{args.sample}"
     args.prefix = args.prefix or os.path.basename(os.path.normpath(args.out_dir))
     if {"train", "val"} & set(re.split(r"[_.]", args.prefix)):  # train_gpt2.py tells the split by that word
