@@ -51,9 +51,9 @@ HUB_SOURCES = {  # what `KIND:hub` loads through `datasets`
     "gsm8k": ("openai/gsm8k", "main", "train"),
 }
 
-DEMO_PRESET = dict(  # train_gpt2.py --demo's model taught to answer questions about the stdlib, in 2-3 min on 2 cores
-    init_ckpt="out/demo", out_dir="out/mid", data=["demo:stdlib:2"], micro_batch_size=8, max_steps=100, lr=3e-3,
-    eval_every=25, save_every=1000, prompt="What does re.compile do?", sample_len=48,  # re.compile is held out
+DEMO_PRESET = dict(  # train_gpt2.py --demo's model taught to answer questions about the stdlib, in 1-2 min on 2 cores
+    init_ckpt="out/demo", out_dir="out/mid", data=["demo:stdlib:2"], micro_batch_size=8, max_steps=60, lr=3e-3,
+    eval_every=20, save_every=1000, prompt="What does re.compile do?", sample_len=48,  # re.compile is held out
     compile="off",  # a run of a few minutes does not earn back the minute torch.compile takes on a CPU
 )
 

@@ -3,13 +3,14 @@ Tokenize text into the token shards that train_gpt2.py reads (llm.c .bin format,
 
 FineWeb-Edu 10BT from the hub:  python prepare_fineweb.py
 Your own files, offline:        python prepare_fineweb.py --input 'corpus/*.jsonl' --out_dir data/mine
-Offline demo corpus:            python prepare_fineweb.py --demo   (Python's own standard library source)
+Offline demo corpus:            python prepare_fineweb.py --demo   (the English of Python's standard library)
 
 Shards are written to a temp file and renamed, with progress in manifest.json, so an interrupted run picks up
 where it stopped when run again with the same flags.
 """
 
 import argparse
+import ast
 import collections
 import glob
 import itertools
@@ -48,11 +49,12 @@ def get_args(argv=None):
     p.add_argument("--workers", type=ranged(int, 1, 1024), default=os.cpu_count(),
                    help="tokenizer processes (default: all cores)")
     p.add_argument("--demo", action="store_true",
-                   help="tokenize the Python standard library's source into data/demo (offline, for train_gpt2.py --demo)")
+                   help="tokenize the Python standard library's docstrings and reference topics into data/demo "
+                        "(offline, for train_gpt2.py --demo)")
     args = p.parse_args(argv)
     if args.demo:
         args.out_dir = args.out_dir or "data/demo"
-        args.shard_size = 1_000_000 if args.shard_size == p.get_default("shard_size") else args.shard_size
+        args.shard_size = 65_536 if args.shard_size == p.get_default("shard_size") else args.shard_size  # of 373K
     args.out_dir = args.out_dir or f"data/{args.dataset}-{args.sample}"
     args.prefix = args.prefix or os.path.basename(os.path.normpath(args.out_dir))
     if {"train", "val"} & set(re.split(r"[_.]", args.prefix)):  # train_gpt2.py tells the split by that word
@@ -163,6 +165,47 @@ def demo_files():
     return files
 
 
+def reflow(text):
+    """Prose only, a paragraph a line: wrapped lines joined, indented lines (code, grammar rules) and doctests left
+    out, runs of spaces made one, reST title underlines and table rules dropped."""
+    # GPT-2's BPE spends a token on every newline and every space of a run, which a small model learns to emit first
+    text = re.sub(r"(?m)^[ \t]*[-+=*~^|]{3,}[-+=*~^| \t]*$", "", text)  # title underlines, table rules
+    paragraphs = []
+    for para in re.split(r"\n(?:[ \t]*\n)+", text):
+        lines = [line for line in para.split("\n") if line[:1].strip() and not line.startswith(">>>")]
+        if lines:
+            paragraphs.append(re.sub(r"[ \t]+", " ", " ".join(lines)).strip())
+    return "\n".join(paragraphs)  # not a blank line: before a word, GPT-2 splits "\n\n" into two tokens
+
+
+def docstrings(source):
+    """A module's docstrings (the module's, then its classes' and functions'), the short ones left out."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    return [doc for node in ast.walk(tree) if isinstance(node, kinds) and len(doc := ast.get_docstring(node) or "") > 20]
+
+
+def demo_documents(not_utf8):
+    """The demo corpus, English from the standard library: each module's docstrings as a document, then the
+    language reference topics of pydoc_data (what help("for") prints), paragraphs joined into lines."""
+    for source in local_documents(demo_files(), "text", not_utf8):
+        doc = "\n".join(reflow(d) for d in docstrings(source))
+        if doc:
+            yield doc
+    path = os.path.join(sysconfig.get_paths()["stdlib"], "pydoc_data", "topics.py")
+    topics = []  # some Linux distributions package pydoc_data apart
+    for source in local_documents([path] if os.path.isfile(path) else [], "text", not_utf8):
+        assigns = [node for node in ast.parse(source).body if isinstance(node, ast.Assign)]
+        topics = [node.value for node in assigns if any(getattr(t, "id", "") == "topics" for t in node.targets)]
+    if not topics:
+        print(f"no topics dict in {path}: the demo corpus is the docstrings alone")
+    for text in ast.literal_eval(topics[0]).values() if topics else []:
+        yield reflow(text)
+
+
 # -----------------------------------------------------------------------------
 # tokenization and shards
 
@@ -240,8 +283,8 @@ def main(argv=None):
     args = get_args(argv)
     not_utf8 = []  # .txt files whose non-UTF-8 bytes were replaced
     if args.demo:
-        files, source = demo_files(), f"python stdlib source ({sysconfig.get_paths()['stdlib']})"
-        documents = local_documents(files, args.text_field, not_utf8)
+        source = f"python stdlib docstrings and pydoc topics ({sysconfig.get_paths()['stdlib']})"
+        documents = demo_documents(not_utf8)
     elif args.input:
         files = expand_inputs(args.input)
         source = f"local files: {' '.join(args.input)}"

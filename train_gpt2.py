@@ -37,10 +37,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 # -----------------------------------------------------------------------------
 # flags
 
-DEMO_PRESET = dict(  # a small GPT that trains on data/demo in about 7 minutes on a 2-core CPU
-    data_dir="data/demo", out_dir="out/demo", n_layer=4, n_head=6, n_embd=384, block_size=256, seq_len=256,
-    micro_batch_size=16, total_batch_size=16 * 256, max_steps=200, warmup_steps=20, lr=3e-3,
-    eval_every=50, val_tokens=16384, save_every=100, sample_len=48, prompt="import ",
+DEMO_PRESET = dict(  # a small GPT that trains on data/demo (stdlib English, 0.4M tokens) in about 4 min on a 2-core CPU
+    data_dir="data/demo", out_dir="out/demo", n_layer=4, n_head=4, n_embd=256, block_size=256, seq_len=256,
+    micro_batch_size=8, total_batch_size=8 * 256, max_steps=200, warmup_steps=20, lr=3e-3,
+    eval_every=50, val_tokens=16384, save_every=200, sample_len=64, prompt="The",
 )
 
 

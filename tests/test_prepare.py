@@ -148,3 +148,22 @@ def test_bad_input_gives_one_line_error(case, tmp_path):
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and expect in lines[0], proc.stderr
+
+
+def test_demo_corpus_is_words_not_blanks(tmp_path):
+    """The demo corpus: the prose of the stdlib's docstrings and reference topics, a paragraph a line, at most 25%
+    whitespace-only tokens (the stdlib's raw source is 47%); its shards hold exactly demo_documents' tokens."""
+    import prepare_fineweb
+    text = "Title\n=====\n\nOne line\nwrapped.  Two  spaces.\n\n    indented code\n>>> doctest\n\nLast."
+    assert prepare_fineweb.reflow(text) == "Title\nOne line wrapped. Two spaces.\nLast."
+    docs = list(prepare_fineweb.demo_documents([]))
+    assert any("Serialize ``obj`` to a JSON formatted ``str``" in d for d in docs)  # json.dumps's docstring
+    assert any(d.startswith('The "assert" statement') for d in docs)  # pydoc_data's topics
+    enc = get_tokenizer()
+    blank = np.array([not enc.decode_single_token_bytes(i).strip() for i in range(EOT_TOKEN)] + [False])
+    run("prepare_fineweb.py", "--demo", "--out_dir", tmp_path / "demo", "--workers", 1, check=True)
+    files, shards = read_shards(tmp_path / "demo")
+    assert os.path.basename(files[0]) == "demo_val_000000.bin" and len(files) > 4
+    stream = np.concatenate(shards)
+    assert np.array_equal(stream, expected_stream(docs))
+    assert blank[stream].mean() <= 0.25, blank[stream].mean()
