@@ -672,7 +672,7 @@ def exit_on_out_of_memory(main):
         import traceback  # where: the outermost of our functions that was running
         phase = next((MEMORY_PHASES[frame.f_code.co_name] for frame, _ in traceback.walk_tb(e.__traceback__)
                       if frame.f_code.co_name in MEMORY_PHASES), None)
-        memory = "GPU" if isinstance(e, torch.OutOfMemoryError) else "CPU"
+        memory = "GPU" if isinstance(e, torch.OutOfMemoryError) or "CUDA" in str(e) else "CPU"
     import gc
     gc.collect()
     if torch.cuda.is_available():

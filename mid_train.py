@@ -856,8 +856,7 @@ def main(argv=None):
                 log({"step": step, "val_loss": val_loss, "val_bpb": val_bpb},
                     f"step {step:5d} | val loss {val_loss:.4f} | val bpb {val_bpb:.4f}")
         if stop:
-            save(step)
-            prune_checkpoints(args.out_dir, step, args.keep_checkpoints)
+            save(step)  # older checkpoints stay: these weights have given no loss yet (the resumed run prunes)
             if master:
                 print(f"stopped by signal at step {step}; continue with --resume", flush=True)
             break
@@ -895,7 +894,8 @@ def main(argv=None):
         loss, grad_norm, stop = agree_on_step(loss, grad_norm)
         lr = optimizers[0].param_groups[0]["lr"]  # the lr AdamW stepped with
         saved = step > start_step and step % args.save_every == 0  # a checkpoint of the weights this step started from
-        if not math.isfinite(loss) or not math.isfinite(grad_norm):  # diverged: stop before anything else is saved
+        # diverged: stop before anything else is saved (float16's grad scaler skips a step whose gradients overflow)
+        if not math.isfinite(loss) or (not scaler.is_enabled() and not math.isfinite(grad_norm)):
             stop_diverged(step, f"loss {loss}, gradient norm {grad_norm}", lr, args.out_dir, saved)
         if saved:  # its weights gave a finite loss: now the oldest checkpoint can go
             prune_checkpoints(args.out_dir, step, args.keep_checkpoints)
@@ -948,10 +948,13 @@ def stop_agreed(device):
 def stop_diverged(step, what, lr, out_dir, saved):
     """A non-finite loss: stop at once on every rank, drop the checkpoint of these weights (saved), say where to go on."""
     if not dist.is_initialized() or dist.get_rank() == 0:
+        path = os.path.join(out_dir, f"ckpt_{step:07d}.pt")
         if saved:
-            os.remove(os.path.join(out_dir, f"ckpt_{step:07d}.pt"))
-        newest = find_checkpoint(out_dir)
-        where = f"resume from {newest} with --resume and a lower --lr" if newest else "start again with a lower --lr"
+            os.remove(path)
+        older = [f for f in sorted(glob.glob(os.path.join(out_dir, CHECKPOINT_GLOB))) if f < path]
+        where = f"resume from {older[-1]} with --resume and a lower --lr" if older else "start again with a lower --lr"
+        if os.path.isfile(path):  # the run resumed from these weights: --resume would take them again
+            where = f"move {path} aside (its weights diverge), then {where}"
         print(f"error: the run diverged at step {step} ({what} at lr {lr:.4e}); nothing of it was saved: {where}",
               file=sys.stderr)
     sys.exit(2)
@@ -1046,7 +1049,9 @@ def setup_training(raw_model, args, dtype):
     device = next(raw_model.parameters()).device
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     autocast_ctx = autocast_context(device.type, dtype)
-    if args.fsdp:  # check_fsdp has checked its conditions
+    if args.fsdp and dtype == torch.float16:  # --dtype auto on a GPU without bf16 (check_fsdp saw the flag only)
+        die("--fsdp trains with AdamW in bfloat16 or float32, and this GPU has no bfloat16; give --dtype float32")
+    if args.fsdp:
         # FSDP2: each block, then the rest (embedding tied with the head, final norm). With bfloat16 the blocks
         # compute in it from fp32 master weights, and gradients are reduced in fp32
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 \
@@ -1206,7 +1211,7 @@ def exit_on_out_of_memory(main):
         import traceback  # where: the outermost of our functions that was running
         phase = next((MEMORY_PHASES[frame.f_code.co_name] for frame, _ in traceback.walk_tb(e.__traceback__)
                       if frame.f_code.co_name in MEMORY_PHASES), None)
-        memory = "GPU" if isinstance(e, torch.OutOfMemoryError) else "CPU"
+        memory = "GPU" if isinstance(e, torch.OutOfMemoryError) or "CUDA" in str(e) else "CPU"
     import gc
     gc.collect()
     if torch.cuda.is_available():

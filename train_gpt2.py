@@ -7,8 +7,8 @@ Laptop / CPU:   python prepare_fineweb.py --demo && python train_gpt2.py --demo
 
 The defaults reproduce GPT-2 124M on 10B tokens of FineWeb-Edu the way build-nanogpt does.
 
-Reader's map: flags (line 37), the model (119), the data loader (310), the schedule (444), one optimizer
-step (456), main() and the training loop (500). From line 686 on, the code that supports the loop: the
+Reader's map: flags (line 37), the model (119), the data loader (310), the schedule (445), one optimizer
+step (457), main() and the training loop (501). From line 687 on, the code that supports the loop: the
 step's bookkeeping, checkpoints and resume, the log, Muon, devices and DDP/FSDP, HellaSwag, sampling, the
 tokenizer, files and flags, in blocks marked "shared" that tests/sync_shared.py copies into the other scripts.
 """
@@ -407,7 +407,8 @@ class ShardLoader:
             steps = state["pos"] // self.tokens_per_step
             return self.seek(0, state["shard"], steps // self.span, steps % self.span)
         ours = (self.order, self.seed, self.window_tokens, sum(self.num_windows))
-        theirs = (state["order"], state["seed"], state["window_tokens"], state["num_windows"])
+        theirs = (state["order"], state["seed"] if state["order"] == "shuffled" else 0,  # file order has no seed
+                  state["window_tokens"], state["num_windows"])
         if ours == theirs:
             return self.seek(state["epoch"], state["shard"], state["window"], state["micro"])
         # the data, its order or the batch changed since the checkpoint: go on from the same point of the epoch
@@ -626,8 +627,7 @@ def main(argv=None):
                 log({"step": step, "val_loss": val_loss, "val_tokens": val_tokens},
                     f"step {step:5d} | val loss {val_loss:.4f} ({val_tokens:,} tokens)")
         if stop:
-            save(step)
-            prune_checkpoints(args.out_dir, step, args.keep_checkpoints)
+            save(step)  # older checkpoints stay: these weights have given no loss yet (the resumed run prunes)
             if master:
                 print(f"stopped by signal at step {step}; continue with --resume", flush=True)
             break
@@ -667,7 +667,8 @@ def main(argv=None):
         loss, grad_norm, stop = agree_on_step(loss, grad_norm)
         lr = optimizers[0].param_groups[0]["lr"]  # the lr AdamW stepped with
         saved = step > start_step and step % args.save_every == 0  # a checkpoint of the weights this step started from
-        if not math.isfinite(loss) or not math.isfinite(grad_norm):  # diverged: stop before anything else is saved
+        # diverged: stop before anything else is saved (float16's grad scaler skips a step whose gradients overflow)
+        if not math.isfinite(loss) or (not scaler.is_enabled() and not math.isfinite(grad_norm)):
             stop_diverged(step, f"loss {loss}, gradient norm {grad_norm}", lr, args.out_dir, saved)
         if saved:  # its weights gave a finite loss: now the oldest checkpoint can go
             prune_checkpoints(args.out_dir, step, args.keep_checkpoints)
@@ -720,10 +721,13 @@ def stop_agreed(device):
 def stop_diverged(step, what, lr, out_dir, saved):
     """A non-finite loss: stop at once on every rank, drop the checkpoint of these weights (saved), say where to go on."""
     if not dist.is_initialized() or dist.get_rank() == 0:
+        path = os.path.join(out_dir, f"ckpt_{step:07d}.pt")
         if saved:
-            os.remove(os.path.join(out_dir, f"ckpt_{step:07d}.pt"))
-        newest = find_checkpoint(out_dir)
-        where = f"resume from {newest} with --resume and a lower --lr" if newest else "start again with a lower --lr"
+            os.remove(path)
+        older = [f for f in sorted(glob.glob(os.path.join(out_dir, CHECKPOINT_GLOB))) if f < path]
+        where = f"resume from {older[-1]} with --resume and a lower --lr" if older else "start again with a lower --lr"
+        if os.path.isfile(path):  # the run resumed from these weights: --resume would take them again
+            where = f"move {path} aside (its weights diverge), then {where}"
         print(f"error: the run diverged at step {step} ({what} at lr {lr:.4e}); nothing of it was saved: {where}",
               file=sys.stderr)
     sys.exit(2)
@@ -818,7 +822,9 @@ def setup_training(raw_model, args, dtype):
     device = next(raw_model.parameters()).device
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     autocast_ctx = autocast_context(device.type, dtype)
-    if args.fsdp:  # check_fsdp has checked its conditions
+    if args.fsdp and dtype == torch.float16:  # --dtype auto on a GPU without bf16 (check_fsdp saw the flag only)
+        die("--fsdp trains with AdamW in bfloat16 or float32, and this GPU has no bfloat16; give --dtype float32")
+    if args.fsdp:
         # FSDP2: each block, then the rest (embedding tied with the head, final norm). With bfloat16 the blocks
         # compute in it from fp32 master weights, and gradients are reduced in fp32
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 \
@@ -978,7 +984,7 @@ def exit_on_out_of_memory(main):
         import traceback  # where: the outermost of our functions that was running
         phase = next((MEMORY_PHASES[frame.f_code.co_name] for frame, _ in traceback.walk_tb(e.__traceback__)
                       if frame.f_code.co_name in MEMORY_PHASES), None)
-        memory = "GPU" if isinstance(e, torch.OutOfMemoryError) else "CPU"
+        memory = "GPU" if isinstance(e, torch.OutOfMemoryError) or "CUDA" in str(e) else "CPU"
     import gc
     gc.collect()
     if torch.cuda.is_available():
