@@ -475,7 +475,11 @@ def lock_out_dir(path, flag):
     import errno
     import fcntl
     import socket
-    fd = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:  # a folder or someone else's read-only file in its place
+        die(f"{flag} {path}: its lock file .lock cannot be opened ({e.strerror}); remove {path}/.lock if no run "
+            f"is using the folder, or give another {flag}")
     try:  # a POSIX lock is the kernel's: it goes with its process (SIGKILL, a crash), and forked workers lack it
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:

@@ -80,6 +80,8 @@ CASES = [
     case("train-shard-token-past-vocab", "train_gpt2.py", *DATA, "--data_dir", "{tmp}/data_big_ids",
          expect="holds token id 60000"),
     case("train-out_dir-unwritable", "train_gpt2.py", *DATA, "--out_dir", "{tmp}/a_file/out", expect="--out_dir"),
+    case("train-out_dir-lock-a-folder", "train_gpt2.py", *DATA, "--out_dir", "{tmp}/lock_is_a_folder",
+         expect="lock file .lock cannot be opened"),
     case("mid-out_dir-unwritable", "mid_train.py", *MID, "--out_dir", "{tmp}/a_file/out", "--data", "chat:{tmp}/ok.jsonl",
          expect="--out_dir"),
     case("prepare-out_dir-unwritable", "prepare_fineweb.py", "--input", "{tmp}/doc.txt", "--out_dir", "{tmp}/a_file/out",
@@ -174,6 +176,7 @@ def make_files(tmp):
     os.makedirs(f"{tmp}/bad_ckpts/ckpt_0000002.pt")  # a folder named like a checkpoint
     open(f"{tmp}/bad_ckpts/ckpt_0000001.pt", "wb").close()  # an empty file
     open(f"{tmp}/a_file", "w").close()
+    os.makedirs(f"{tmp}/lock_is_a_folder/.lock")
     os.makedirs(f"{tmp}/home")
     with open(f"{tmp}/doc.txt", "w") as f:
         f.write("some text\n")
