@@ -68,7 +68,8 @@ def get_args(argv=None):
                    help="sources KIND:PATH[:EPOCHS]; KIND chat (.jsonl of {messages} or bare message lists), gsm8k "
                         "(.jsonl question/answer) or mmlu (.csv or folder of them); PATH `hub` loads it by name; "
                         "demo:stdlib asks about the stdlib's documented functions (or demo:FOLDER of .py files)")
-    p.add_argument("--val_fraction", type=fraction, default=0.02, help="share of each source held out for val")
+    p.add_argument("--val_fraction", type=ranged(float, 0, 1, low_open=True, high_open=True), default=0.02,
+                   help="share of each source held out for val (0 would leave no val split, 1 no train data)")
     p.add_argument("--train_on", default="assistant", choices=["assistant", "all"],
                    help="learn the assistant's tokens only, or every token")
     p.add_argument("--seq_len", type=positive_int, help="tokens per training sequence (default: the model's context length)")
@@ -756,6 +757,8 @@ def main(argv=None):
     splits = build_data(args, enc, T + 1)
     train_tokens, train_mask, n_train, cropped = splits["train"]
     val_tokens, val_mask, n_val, _ = splits["val"]
+    if not len(train_tokens):
+        die(f"no train conversations: --val_fraction {args.val_fraction} held out all of them; lower it or give more data")
     if len(train_tokens) < B * world_size:
         die(f"only {len(train_tokens)} packed train rows, fewer than one micro-batch over all ranks; lower --micro_batch_size")
     if not len(val_tokens):
@@ -1706,12 +1709,12 @@ class HelpFormatter(argparse.HelpFormatter):
         return action.help + (" (default: %(default)r)" if isinstance(action.default, str) else " (default: %(default)s)")
 
 
-def ranged(kind, low=None, high=None, low_open=False):
-    """An argparse type: a `kind` (int or float) in [low, high], or (low, high] with low_open. A bad value is then
-    a one-line error at parse time that names the flag and the range, e.g. `argument --lr: ...`."""
+def ranged(kind, low=None, high=None, low_open=False, high_open=False):
+    """An argparse type: a `kind` (int or float) in [low, high], the ends left out with low_open / high_open. A bad
+    value is then a one-line error at parse time that names the flag and the range, e.g. `argument --lr: ...`."""
     name = "an integer" if kind is int else "a number"
     bounds = " and ".join(([f"> {low}" if low_open else f">= {low}"] if low is not None else [])
-                          + ([f"<= {high}"] if high is not None else []))
+                          + ([f"< {high}" if high_open else f"<= {high}"] if high is not None else []))
 
     def parse(text):
         try:
@@ -1719,7 +1722,7 @@ def ranged(kind, low=None, high=None, low_open=False):
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {name}; give {name} {bounds}".rstrip())
         if not abs(value) < float("inf") or (low is not None and (value <= low if low_open else value < low)) \
-                or (high is not None and value > high):
+                or (high is not None and (value >= high if high_open else value > high)):
             raise argparse.ArgumentTypeError(f"{text} is out of range; give {name} {bounds}")
         return value
     return parse

@@ -417,12 +417,12 @@ class HelpFormatter(argparse.HelpFormatter):
         return action.help + (" (default: %(default)r)" if isinstance(action.default, str) else " (default: %(default)s)")
 
 
-def ranged(kind, low=None, high=None, low_open=False):
-    """An argparse type: a `kind` (int or float) in [low, high], or (low, high] with low_open. A bad value is then
-    a one-line error at parse time that names the flag and the range, e.g. `argument --lr: ...`."""
+def ranged(kind, low=None, high=None, low_open=False, high_open=False):
+    """An argparse type: a `kind` (int or float) in [low, high], the ends left out with low_open / high_open. A bad
+    value is then a one-line error at parse time that names the flag and the range, e.g. `argument --lr: ...`."""
     name = "an integer" if kind is int else "a number"
     bounds = " and ".join(([f"> {low}" if low_open else f">= {low}"] if low is not None else [])
-                          + ([f"<= {high}"] if high is not None else []))
+                          + ([f"< {high}" if high_open else f"<= {high}"] if high is not None else []))
 
     def parse(text):
         try:
@@ -430,7 +430,7 @@ def ranged(kind, low=None, high=None, low_open=False):
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {name}; give {name} {bounds}".rstrip())
         if not abs(value) < float("inf") or (low is not None and (value <= low if low_open else value < low)) \
-                or (high is not None and value > high):
+                or (high is not None and (value >= high if high_open else value > high)):
             raise argparse.ArgumentTypeError(f"{text} is out of range; give {name} {bounds}")
         return value
     return parse

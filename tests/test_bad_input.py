@@ -135,6 +135,10 @@ CASES = [
     case("mid-epochs-0", "mid_train.py", *MID, "--data", "chat:{tmp}/ok.jsonl:0", expect="EPOCHS must be 1"),
     case("mid-nothing-to-learn", "mid_train.py", *MID, "--data", "chat:{tmp}/user_only.jsonl", "--val_fraction", 0.5,
          "--micro_batch_size", 1, expect="no token to learn"),
+    case("mid-val_fraction-0", "mid_train.py", "--val_fraction", 0, expect="argument --val_fraction"),
+    case("mid-val_fraction-1", "mid_train.py", "--val_fraction", 1, expect="argument --val_fraction"),
+    case("mid-all-held-out", "mid_train.py", *MID, "--data", "chat:{tmp}/ok.jsonl", "--val_fraction", 0.9,
+         expect="no train conversations"),
     case("export-out_dir-file", "export_hf.py", "--ckpt", "{tmp}/ckpt.pt", "--out_dir", "{tmp}/a_file",
          expect="is a file"),
 ]
