@@ -157,36 +157,35 @@ def main(argv=None):
 
 
 # ---- shared: cli ----
+# this process's place among those torchrun started (the same whole run without it: rank 0 of 1)
+rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+master_process = rank == 0  # rank 0 prints, logs and writes checkpoints
+
+
+def print0(*args, **kwargs):
+    if master_process:
+        print(*args, **kwargs)
+
+
 def die(message):
-    """Bad input: one line naming the problem and the fix, exit code 2, no traceback."""
+    """Bad input or a run-time fault: one line naming the problem and the fix, exit code 2, no traceback."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
 
 
-class HelpFormatter(argparse.HelpFormatter):
-    """--help shows every flag's default, except where there is none (None, a switch's False) or the help says it."""
-
-    def _get_help_string(self, action):
-        if action.default in (None, False, argparse.SUPPRESS) or "default" in action.help:
-            return action.help
-        return action.help + (" (default: %(default)r)" if isinstance(action.default, str) else " (default: %(default)s)")
-
-
-def ranged(kind, low=None, high=None, low_open=False, high_open=False):
-    """An argparse type: a `kind` (int or float) in [low, high], the ends left out with low_open / high_open. A bad
+def ranged(kind, low, high=float("inf"), low_open=False, high_open=False):
+    """An argparse type: a `kind` (int or float) in [low, high], an end left out with low_open / high_open. A bad
     value is then a one-line error at parse time that names the flag and the range, e.g. `argument --lr: ...`."""
-    name = "an integer" if kind is int else "a number"
-    bounds = " and ".join(([f"> {low}" if low_open else f">= {low}"] if low is not None else [])
-                          + ([f"< {high}" if high_open else f"<= {high}"] if high is not None else []))
+    bounds = f"{'>' if low_open else '>='} {low}" + (f" and {'<' if high_open else '<='} {high}" if high < float("inf") else "")
 
     def parse(text):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {name}; give {name} {bounds}".rstrip())
-        if not abs(value) < float("inf") or (low is not None and (value <= low if low_open else value < low)) \
-                or (high is not None and (value >= high if high_open else value > high)):
-            raise argparse.ArgumentTypeError(f"{text} is out of range; give {name} {bounds}")
+            value = float("nan")
+        if not (low < value if low_open else low <= value) or not (value < high if high_open else value <= high) \
+                or value == float("inf"):  # nan fails every comparison
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'} {bounds}")
         return value
     return parse
 
@@ -279,18 +278,15 @@ class KVCache:
     """Keys and values of the tokens seen so far, for generation: the prompt is run once, then one token a step."""
 
     def __init__(self, n_layer, max_len):
-        self.n_layer, self.max_len = n_layer, max_len
-        self.k = self.v = None
-        self.pos = 0  # tokens in the cache
+        self.n_layer, self.max_len, self.pos = n_layer, max_len, 0  # pos: tokens in the cache
+        self.k = self.v = None  # allocated on first use, in the dtype attention runs in (autocast's)
 
     def store(self, layer, k, v):
-        if self.k is None:  # allocated on first use, in the dtype attention runs in (autocast's)
-            B, H, _, D = k.shape
-            self.k = k.new_zeros(self.n_layer, B, H, self.max_len, D)
+        if self.k is None:
+            self.k = k.new_zeros(self.n_layer, *k.shape[:2], self.max_len, k.size(3))  # (layer, B, head, pos, dim)
             self.v = torch.zeros_like(self.k)
         end = self.pos + k.size(2)
-        self.k[layer, :, :, self.pos:end] = k
-        self.v[layer, :, :, self.pos:end] = v
+        self.k[layer, :, :, self.pos:end], self.v[layer, :, :, self.pos:end] = k, v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
 
@@ -307,17 +303,12 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        if kv_cache is None or kv_cache.pos == 0:
-            if kv_cache is not None:
-                kv_cache.store(self.layer, k, v)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # flash attention where available
-        else:
+        if kv_cache is not None:
             k, v = kv_cache.store(self.layer, k, v)
-            # the new queries see every cached key and, among themselves, only the earlier ones
-            mask = torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(diagonal=k.size(2) - T)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.c_proj(y)
+        # new queries after cached keys see all of those and, among themselves, only the earlier ones
+        mask = None if k.size(2) == T else torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(k.size(2) - T)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)  # flash attention if it can
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
 class MLP(nn.Module):
@@ -374,77 +365,20 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None, kv_cache=None, reduction="mean"):
         """Logits for every position; with targets (-1 where ignored), also the cross-entropy loss over the targets:
         their mean, or with reduction="sum" their sum (0 where there are none), which training divides itself."""
-        B, T = idx.size()
-        start = kv_cache.pos if kv_cache is not None else 0
+        start, T = kv_cache.pos if kv_cache is not None else 0, idx.size(1)
         assert start + T <= self.config.block_size, f"sequence of {start + T} is past the context {self.config.block_size}"
-        pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(start, start + T, device=idx.device))
         for block in self.transformer.h:
             x = block(x, kv_cache)
         logits = self.lm_head(self.transformer.ln_f(x))
         if kv_cache is not None:
             kv_cache.pos += T
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1,
-                                   reduction=reduction)
+        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
+                                                            ignore_index=-1, reduction=reduction)
         return logits, loss
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
-
-    def flops_per_token(self, seq_len):
-        """Training FLOPs per token: 6N for the weight matmuls plus attention's 12 * L * d * T (PaLM, app. B)."""
-        n = self.num_params() - self.transformer.wpe.weight.numel()  # position lookups do no matmul
-        return 6 * n + 12 * self.config.n_layer * self.config.n_embd * seq_len
-
-    def load_hf_state_dict(self, hf_state):
-        """Copy weights from transformers' GPT2LMHeadModel, whose Conv1D layers store weights transposed."""
-        transposed = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-        state = self.state_dict()
-        with torch.no_grad():
-            for name, value in hf_state.items():
-                if name.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers, not weights
-                    continue
-                value = value.t() if name.endswith(transposed) else value
-                if name in ("transformer.wte.weight", "lm_head.weight"):
-                    # the padding rows start at the mean embedding, so they take almost no probability
-                    state[name][: value.size(0)].copy_(value)
-                    state[name][value.size(0):].copy_(value.mean(0))
-                else:
-                    state[name].copy_(value)
-
-    @classmethod
-    def from_pretrained(cls, model_type):
-        try:
-            from transformers import GPT2LMHeadModel
-        except ImportError:
-            die(f"loading {model_type} needs transformers: pip install transformers")
-        try:  # the cache first: offline, transformers would retry the hub for ~20 s before failing
-            hf_model = GPT2LMHeadModel.from_pretrained(model_type, local_files_only=True)
-        except OSError:
-            if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") or not hub_reachable():
-                die(f"OpenAI's {model_type} weights are not in the Hugging Face cache and the hub cannot be reached; "
-                    f"go online once to download them")
-            try:
-                hf_model = GPT2LMHeadModel.from_pretrained(model_type)
-            except OSError as e:
-                die(f"could not load OpenAI's {model_type} weights ({str(e).splitlines()[0]}); go online once to cache them")
-        model = cls(GPTConfig(**MODEL_SIZES[model_type]))
-        model.load_hf_state_dict(hf_model.state_dict())
-        return model
-
-
-def hub_reachable(timeout=3):
-    """A quick probe of the Hugging Face hub (HF_ENDPOINT where a mirror is set), so that offline fails at once."""
-    import socket
-    from urllib.parse import urlparse
-    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    try:
-        socket.create_connection((url.hostname, url.port or (80 if url.scheme == "http" else 443)), timeout).close()
-        return True
-    except (OSError, ValueError):
-        return False
 # ---- end shared: model ----
 
 
@@ -452,46 +386,27 @@ def hub_reachable(timeout=3):
 CHECKPOINT_GLOB = "ckpt_*.pt"
 
 
-def find_checkpoint(path):
-    """The checkpoint file itself, or the newest checkpoint in a folder; None if there is none."""
-    if os.path.isfile(path):
-        return path
-    found = sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)))
-    return found[-1] if found else None
-
-
-def read_checkpoint(path, device="cpu", mmap=False):
-    """(checkpoint, None), or (None, why it is not a readable checkpoint of train_gpt2.py or mid_train.py)."""
-    try:
-        checkpoint = torch.load(path, map_location=device, weights_only=True, mmap=mmap)  # mmap: tensors read lazily
-    except Exception as e:
-        return None, f"{path} is not a readable checkpoint ({type(e).__name__})"
-    if not isinstance(checkpoint, dict) or not {"model", "config"} <= checkpoint.keys():
-        return None, f"{path} is not a train_gpt2.py/mid_train.py checkpoint (no model and config in it)"
-    return checkpoint, None
-
-
 def load_checkpoint(path, device="cpu", mmap=False):
-    """Load a checkpoint file, or the newest readable one in an out_dir: an unreadable newest one (a truncated,
-    empty or foreign file) is passed over with a line. A missing or unreadable checkpoint is a one-line error."""
-    if os.path.isfile(path):
-        checkpoint, problem = read_checkpoint(path, device, mmap)
-        if problem:
-            die(f"{problem}; give one written by train_gpt2.py or mid_train.py")
-        return checkpoint, path
-    found = sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)))
-    if not found:
-        die(f"no checkpoint at {path}: give a ckpt_*.pt file or an out_dir holding one")
+    """(checkpoint, its path): a checkpoint file, or the newest readable one in an out_dir, where an unreadable newer
+    one (a truncated, empty or foreign file) is passed over with a line. None readable is a one-line error."""
+    found = [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)), reverse=True)
     problems = []
-    for candidate in reversed(found):
-        checkpoint, problem = read_checkpoint(candidate, device, mmap)
-        if not problem:
-            if problems and int(os.environ.get("RANK", 0)) == 0:
-                print(f"passing over {len(problems)} newer checkpoint(s): {'; '.join(problems)}; using {candidate}",
-                      file=sys.stderr)
-            return checkpoint, candidate
-        problems.append(problem)
-    die(f"none of the {len(found)} checkpoints in {path} is readable ({problems[0]}); give another checkpoint "
+    for candidate in found:
+        try:
+            checkpoint = torch.load(candidate, map_location=device, weights_only=True, mmap=mmap)  # mmap: read lazily
+            if isinstance(checkpoint, dict) and {"model", "config"} <= checkpoint.keys():
+                if problems:
+                    print0(f"passing over {len(problems)} newer checkpoint(s): {'; '.join(problems)}; using "
+                           f"{candidate}", file=sys.stderr)
+                return checkpoint, candidate
+            problems.append(f"{candidate} is not a train_gpt2.py/mid_train.py checkpoint (no model and config in it)")
+        except Exception as e:
+            problems.append(f"{candidate} is not a readable checkpoint ({type(e).__name__})")
+    if not found:
+        die(f"no checkpoint at {path}: give a ckpt_*.pt file or an out_dir holding one (--resume: drop it to start "
+            f"afresh)")
+    die(f"{problems[0]}; give one written by train_gpt2.py or mid_train.py" if os.path.isfile(path) else
+        f"none of the {len(found)} checkpoints in {path} is readable ({problems[0]}); give another checkpoint "
         f"(a --resume run: start afresh without --resume)")
 
 

@@ -31,8 +31,8 @@ HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/
 
 def get_args(argv=None):
     p = argparse.ArgumentParser(description="HellaSwag accuracy of a GPT-2 checkpoint or of OpenAI's GPT-2.",
-                                formatter_class=HelpFormatter)
-    p.error = lambda message: die(message)
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.error = die
     p.add_argument("--ckpt", help="checkpoint of train_gpt2.py or mid_train.py (a file or an out_dir)")
     p.add_argument("--hf", choices=list(MODEL_SIZES), help="OpenAI's GPT-2 weights through transformers instead")
     p.add_argument("--split", default="val", choices=["train", "val", "test"], help="which official split to download")
@@ -68,12 +68,11 @@ def hellaswag_file(args):
         url = HELLASWAG_URL.format(split=args.split)
         prepare_out_dir(args.cache_dir, "--cache_dir", lock=False)  # a cache: evals may share it
         try:
-            with urllib.request.urlopen(url, timeout=30) as response, open(path + ".tmp", "wb") as f:
-                f.write(response.read())
-                fsync_file(f)
+            with urllib.request.urlopen(url, timeout=30) as response:
+                data = response.read()
         except OSError as e:
             die(f"cannot download {url} ({e.__class__.__name__}); offline, give the file with --data_file")
-        rename_synced(path + ".tmp", path)
+        write_file(path, lambda f: f.write(data), "free space in --cache_dir or give another one")
     return path
 
 
@@ -86,90 +85,73 @@ def load_hellaswag(path, limit=0):
             if not line.strip():
                 continue
             try:
-                ex = json.loads(line.decode("utf-8"))
-                ctx, endings, label = ex["ctx"], ex["endings"], int(ex["label"])
-            except UnicodeDecodeError:
-                die(f"{path}:{line_no} is not UTF-8 text; HellaSwag files are UTF-8 jsonl")
+                ex = json.loads(line)  # bytes, read as UTF-8: a file in another encoding is a ValueError too
+                example = (ex["ctx"], ex["endings"], int(ex["label"]))
+                if not (isinstance(example[0], str) and isinstance(example[1], list) and len(example[1]) == 4
+                        and all(isinstance(e, str) for e in example[1]) and 0 <= example[2] <= 3):
+                    raise ValueError
             except (ValueError, KeyError, TypeError):
-                die(f"{path}:{line_no} is not a HellaSwag example (jsonl with ctx, endings, label)")
-            if not isinstance(ctx, str) or not isinstance(endings, list) or len(endings) != 4 \
-                    or not all(isinstance(e, str) for e in endings) or not 0 <= label <= 3:
-                die(f"{path}:{line_no} is not a HellaSwag example: it needs a ctx string, exactly 4 endings (strings) "
-                    f"and a label 0-3")
-            examples.append((ctx, endings, label))
+                die(f"{path}:{line_no} is not a HellaSwag example: UTF-8 JSON with a ctx string, exactly 4 endings "
+                    f"(strings) and a label 0-3")
+            examples.append(example)
             if len(examples) == limit:
                 break
     return examples
 
 
 def render_hellaswag(example, enc):
-    """4 rows of context + " " + ending; the mask is 1 on the ending tokens, the ones that are scored."""
+    """4 rows of context + " " + ending; the masks are 1 on the ending tokens, the ones that are scored."""
     ctx, endings, label = example
     ctx_tokens = enc.encode(ctx)
-    rows, masks = [], []
-    for ending in endings:
-        end_tokens = enc.encode(" " + ending)
-        rows.append(ctx_tokens + end_tokens)
-        masks.append([0] * len(ctx_tokens) + [1] * len(end_tokens))
-    return rows, masks, label
+    rows = [ctx_tokens + enc.encode(" " + ending) for ending in endings]
+    return rows, [[0] * len(ctx_tokens) + [1] * (len(row) - len(ctx_tokens)) for row in rows], label
 
 
 @torch.no_grad()
 def score_hellaswag(model, rendered, device, n_vocab, autocast_ctx=nullcontext()):
     """Score rendered examples in one forward (right padding changes nothing under causal attention). Returns the
     endings with the lowest summed loss and with the lowest mean loss per token."""
-    rows = [row for r in rendered for row in r[0]]
-    masks = [m for r in rendered for m in r[1]]
-    width = max(len(row) for row in rows)
-    tokens = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width)
-    for i, (row, m) in enumerate(zip(rows, masks)):
-        tokens[i, : len(row)] = torch.tensor(row)
-        mask[i, : len(m)] = torch.tensor(m, dtype=torch.float)
-    tokens, mask = tokens.to(device), mask.to(device)
-    with autocast_ctx:
+    rows = [row for r in rendered for row in zip(r[0], r[1])]
+    width = max(len(row) for row, _ in rows)
+    tokens = torch.tensor([row + [0] * (width - len(row)) for row, _ in rows], device=device)
+    scored = torch.tensor([m[1:] + [0] * (width - len(m)) for _, m in rows], device=device).bool()  # the predictions
+    with autocast_ctx:  # of the ending tokens; only they count
         logits, _ = model(tokens)
-    scored = mask[:, 1:].bool()  # only the predictions of the ending tokens count: the rest is never scored
-    losses = torch.zeros(len(rows), width - 1, device=device)
+    losses = torch.zeros(scored.shape, device=device)
     losses[scored] = F.cross_entropy(logits[:, :-1][scored][:, :n_vocab].float(), tokens[:, 1:][scored],
                                      reduction="none")  # over the tokenizer's vocab, padding ids excluded
     sum_loss = losses.sum(dim=1).view(-1, 4)
-    mean_loss = sum_loss / mask[:, 1:].sum(dim=1).view(-1, 4)
-    return sum_loss.argmin(dim=1).tolist(), mean_loss.argmin(dim=1).tolist()
+    return sum_loss.argmin(dim=1).tolist(), (sum_loss / scored.sum(dim=1).view(-1, 4)).argmin(dim=1).tolist()
 
 
 def evaluate_hellaswag(model, examples, enc, device, batch_size=8, autocast_ctx=nullcontext(), split_ranks=True):
     """acc and acc_norm over the examples, split across ranks (FSDP ranks, which forward in lockstep, each score all);
     returns (correct, correct_norm, count) summed."""
-    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() and split_ranks else (0, 1)
     n_vocab, max_len = min(enc.n_vocab, model.config.vocab_size), model.config.block_size
-    rendered = [render_hellaswag(ex, enc) for ex in examples[rank::world_size]]
-    cropped = sum(max(map(len, rows)) > max_len for rows, _, _ in rendered)
+    rendered = [render_hellaswag(ex, enc) for ex in (examples[rank::world_size] if split_ranks else examples)]
+    counts = torch.tensor([0, 0, len(rendered), sum(max(map(len, rows)) > max_len for rows, _, _ in rendered)])
     # a row longer than the model's context keeps its last max_len tokens: the start of the context goes, as in
     # lm-evaluation-harness, and the ending is scored as before
-    rendered = [([row[-max_len:] for row in rows], [m[-max_len:] for m in masks], label) for rows, masks, label in rendered]
-    rendered.sort(key=lambda r: max(map(len, r[0])))  # examples of similar length batch together: little padding
-    correct = correct_norm = 0
-    for i in progress(range(0, len(rendered), batch_size), "hellaswag", enabled=rank == 0):
+    rendered = sorted((([row[-max_len:] for row in rows], [m[-max_len:] for m in masks], label)
+                       for rows, masks, label in rendered), key=lambda r: max(map(len, r[0])))
+    for i in progress(range(0, len(rendered), batch_size), "hellaswag"):  # sorted by length: little padding
         batch = rendered[i: i + batch_size]
-        pred, pred_norm = score_hellaswag(model, batch, device, n_vocab, autocast_ctx)
-        labels = [r[2] for r in batch]
-        correct += sum(p == y for p, y in zip(pred, labels))
-        correct_norm += sum(p == y for p, y in zip(pred_norm, labels))
-    counts = torch.tensor([correct, correct_norm, len(rendered), cropped], dtype=torch.long, device=device)
-    if world_size > 1:
+        for j, pred in enumerate(score_hellaswag(model, batch, device, n_vocab, autocast_ctx)):
+            counts[j] += sum(p == label for p, (_, _, label) in zip(pred, batch))
+    if split_ranks and world_size > 1:
+        counts = counts.to(device)
         dist.all_reduce(counts)
     correct, correct_norm, count, cropped = counts.tolist()
-    if cropped and rank == 0:
-        print(f"hellaswag: {cropped} of {count} examples are longer than the model's context ({max_len} tokens): "
-              f"the start of their context is left out")
+    if cropped:
+        print0(f"hellaswag: {cropped} of {count} examples are longer than the model's context ({max_len} tokens): "
+               f"the start of their context is left out")
     return correct, correct_norm, count
 # ---- end shared: hellaswag ----
 
 
 def main(argv=None):
     args = get_args(argv)
-    rank, _, world_size, device = init_distributed(args.device)
+    device = init_distributed(args.device)
     device_type = device.split(":")[0]
     path = hellaswag_file(args) if rank == 0 else None
     if world_size > 1:  # rank 0 downloads; the others read what it wrote
@@ -182,7 +164,7 @@ def main(argv=None):
     if not examples:
         die(f"{path} holds no examples")
     if args.hf:
-        model, name = GPT.from_pretrained(args.hf), args.hf
+        model, name = gpt_from_pretrained(args.hf), args.hf
     else:
         checkpoint, name = load_checkpoint(args.ckpt)
         model = model_from_checkpoint(checkpoint)
@@ -210,36 +192,35 @@ def main(argv=None):
 
 
 # ---- shared: cli ----
+# this process's place among those torchrun started (the same whole run without it: rank 0 of 1)
+rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+master_process = rank == 0  # rank 0 prints, logs and writes checkpoints
+
+
+def print0(*args, **kwargs):
+    if master_process:
+        print(*args, **kwargs)
+
+
 def die(message):
-    """Bad input: one line naming the problem and the fix, exit code 2, no traceback."""
+    """Bad input or a run-time fault: one line naming the problem and the fix, exit code 2, no traceback."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
 
 
-class HelpFormatter(argparse.HelpFormatter):
-    """--help shows every flag's default, except where there is none (None, a switch's False) or the help says it."""
-
-    def _get_help_string(self, action):
-        if action.default in (None, False, argparse.SUPPRESS) or "default" in action.help:
-            return action.help
-        return action.help + (" (default: %(default)r)" if isinstance(action.default, str) else " (default: %(default)s)")
-
-
-def ranged(kind, low=None, high=None, low_open=False, high_open=False):
-    """An argparse type: a `kind` (int or float) in [low, high], the ends left out with low_open / high_open. A bad
+def ranged(kind, low, high=float("inf"), low_open=False, high_open=False):
+    """An argparse type: a `kind` (int or float) in [low, high], an end left out with low_open / high_open. A bad
     value is then a one-line error at parse time that names the flag and the range, e.g. `argument --lr: ...`."""
-    name = "an integer" if kind is int else "a number"
-    bounds = " and ".join(([f"> {low}" if low_open else f">= {low}"] if low is not None else [])
-                          + ([f"< {high}" if high_open else f"<= {high}"] if high is not None else []))
+    bounds = f"{'>' if low_open else '>='} {low}" + (f" and {'<' if high_open else '<='} {high}" if high < float("inf") else "")
 
     def parse(text):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {name}; give {name} {bounds}".rstrip())
-        if not abs(value) < float("inf") or (low is not None and (value <= low if low_open else value < low)) \
-                or (high is not None and (value >= high if high_open else value > high)):
-            raise argparse.ArgumentTypeError(f"{text} is out of range; give {name} {bounds}")
+            value = float("nan")
+        if not (low < value if low_open else low <= value) or not (value < high if high_open else value <= high) \
+                or value == float("inf"):  # nan fails every comparison
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'} {bounds}")
         return value
     return parse
 
@@ -254,19 +235,28 @@ seed_int = ranged(int, 0, 2**32 - 1)  # what every RNG we seed takes
 
 # ---- shared: files ----
 def prepare_out_dir(path, flag, lock=True):
-    """Create an output folder, check that it can be written and (lock) that no live run writes into it, before any
+    """Create an output folder and (lock) take its .lock, refusing a folder that a live run writes into, before any
     work starts. Then remove the *.tmp of a killed save: finished files are renamed from them, never the only copy."""
+    import errno
+    import fcntl
+    import socket
     try:
         os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".write_check_{os.getpid()}")
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
+        fd = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT, 0o644) if lock else None
     except OSError as e:
-        die(f"{flag} {path} cannot be created or written ({e.strerror or type(e).__name__}); "
-            f"give another folder or fix its permissions")
-    if lock:  # before the .tmp files go: a live run's .tmp is its save in progress
-        lock_out_dir(path, flag)
+        die(f"{flag} {path} cannot be created or written ({e.strerror}); give another folder or fix its permissions")
+    if lock:  # a POSIX lock is the kernel's: it goes with its process (SIGKILL, a crash); the fd stays open till then
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+        except OSError as e:
+            if e.errno in (errno.EACCES, errno.EAGAIN):  # held: before the .tmp files go, a live run's save
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a run that is starting"
+                die(f"{flag} {path} is in use by a running run ({holder}); wait for it to end or stop it, "
+                    f"or give another {flag}")
+            print(f"{flag} {path}: this file system cannot lock files ({e.strerror}); a second run into it is not "
+                  f"refused", file=sys.stderr)  # ENOLCK & co: some network file systems
     stale = [f for f in sorted(glob.glob(os.path.join(path, "*.tmp"))) if os.path.isfile(f)]
     for f in stale:
         os.remove(f)
@@ -275,76 +265,30 @@ def prepare_out_dir(path, flag, lock=True):
               f"{', '.join(os.path.basename(f) for f in stale)}")
 
 
-held_locks = []  # this process's out_dir locks, open for its whole life: the kernel frees them when it ends
-
-
-def lock_out_dir(path, flag):
-    """Take path/.lock, or refuse the folder with one line naming the live run (pid, host) that holds it."""
-    import errno
-    import fcntl
-    import socket
+def write_file(path, write, fix):
+    """Write a file whole or not at all: write(f) into path.tmp, fsync it, rename it over path (after a crash there
+    is the old file or the new one, never a part). A failed write (a full disk, a quota) is one line naming the file,
+    the cause and the fix; its .tmp goes."""
     try:
-        fd = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:  # a folder or someone else's read-only file in its place
-        die(f"{flag} {path}: its lock file .lock cannot be opened ({e.strerror}); remove {path}/.lock if no run "
-            f"is using the folder, or give another {flag}")
-    try:  # a POSIX lock is the kernel's: it goes with its process (SIGKILL, a crash), and forked workers lack it
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        if e.errno not in (errno.EACCES, errno.EAGAIN):  # ENOLCK & co: a file system without working locks
-            os.close(fd)
-            print(f"{flag} {path}: this file system cannot lock files ({e.strerror}); a second run into it is not "
-                  f"refused", file=sys.stderr)
-            return
-        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a run that is starting"
-        os.close(fd)
-        die(f"{flag} {path} is in use by a running run ({holder}); wait for it to end or stop it, "
-            f"or give another {flag}")
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
-    held_locks.append(fd)
-
-
-def write_failed(path, error, fix):
-    """A failed write (full disk, quota, read-only mount) is one line naming the file and the cause; its .tmp goes.
-    error: the OSError, or one it caused (torch.save's RuntimeError); anything else is raised again, as a bug."""
-    cause = next((e for e in (error, error.__cause__, error.__context__) if isinstance(e, OSError)), None)
-    if cause is None:
-        raise error
-    try:
-        os.remove(path + ".tmp")
-    except OSError:
-        pass
-    die(f"cannot write {path} ({cause.strerror or type(cause).__name__}); {fix}")
-
-
-def fsync_file(f):
-    """Flush an open file to the disk itself, before it is renamed into place."""
-    f.flush()
-    os.fsync(f.fileno())
-
-
-def rename_synced(tmp_path, path):
-    """Rename a written and fsynced temp file into place, then fsync the folder so that the rename is on disk too:
-    after a machine crash there is the old file or the new one, never a renamed but empty one."""
-    os.replace(tmp_path, path)
-    try:
-        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:  # some filesystems cannot fsync a folder; the file itself is on disk already
-        pass
+        with open(path + ".tmp", "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError raised from the OSError
+        cause = next((c for c in (e, e.__cause__, e.__context__) if isinstance(c, OSError)), e)
+        if os.path.exists(path + ".tmp"):
+            os.remove(path + ".tmp")
+        die(f"cannot write {path} ({getattr(cause, 'strerror', None) or cause}); {fix}")
 # ---- end shared: files ----
 
 
 # ---- shared: progress ----
-def progress(iterable, desc, enabled=True):
-    """A tqdm bar on stderr for a loop that takes a while (an eval): shown after 2 s, and never when stderr is not
-    a terminal (logs, CI), as prepare_fineweb.py does."""
+def progress(iterable, desc):
+    """A tqdm bar on stderr for a loop that takes a while (an eval), on rank 0: shown after 2 s, and never when
+    stderr is not a terminal (logs, CI), as prepare_fineweb.py does."""
     from tqdm import tqdm
-    return tqdm(iterable, desc=desc, leave=False, delay=2, disable=None if enabled else True)
+    return tqdm(iterable, desc=desc, leave=False, delay=2, disable=None if master_process else True)
 # ---- end shared: progress ----
 
 
@@ -398,18 +342,15 @@ class KVCache:
     """Keys and values of the tokens seen so far, for generation: the prompt is run once, then one token a step."""
 
     def __init__(self, n_layer, max_len):
-        self.n_layer, self.max_len = n_layer, max_len
-        self.k = self.v = None
-        self.pos = 0  # tokens in the cache
+        self.n_layer, self.max_len, self.pos = n_layer, max_len, 0  # pos: tokens in the cache
+        self.k = self.v = None  # allocated on first use, in the dtype attention runs in (autocast's)
 
     def store(self, layer, k, v):
-        if self.k is None:  # allocated on first use, in the dtype attention runs in (autocast's)
-            B, H, _, D = k.shape
-            self.k = k.new_zeros(self.n_layer, B, H, self.max_len, D)
+        if self.k is None:
+            self.k = k.new_zeros(self.n_layer, *k.shape[:2], self.max_len, k.size(3))  # (layer, B, head, pos, dim)
             self.v = torch.zeros_like(self.k)
         end = self.pos + k.size(2)
-        self.k[layer, :, :, self.pos:end] = k
-        self.v[layer, :, :, self.pos:end] = v
+        self.k[layer, :, :, self.pos:end], self.v[layer, :, :, self.pos:end] = k, v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
 
@@ -426,17 +367,12 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        if kv_cache is None or kv_cache.pos == 0:
-            if kv_cache is not None:
-                kv_cache.store(self.layer, k, v)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # flash attention where available
-        else:
+        if kv_cache is not None:
             k, v = kv_cache.store(self.layer, k, v)
-            # the new queries see every cached key and, among themselves, only the earlier ones
-            mask = torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(diagonal=k.size(2) - T)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.c_proj(y)
+        # new queries after cached keys see all of those and, among themselves, only the earlier ones
+        mask = None if k.size(2) == T else torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(k.size(2) - T)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)  # flash attention if it can
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
 class MLP(nn.Module):
@@ -493,111 +429,93 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None, kv_cache=None, reduction="mean"):
         """Logits for every position; with targets (-1 where ignored), also the cross-entropy loss over the targets:
         their mean, or with reduction="sum" their sum (0 where there are none), which training divides itself."""
-        B, T = idx.size()
-        start = kv_cache.pos if kv_cache is not None else 0
+        start, T = kv_cache.pos if kv_cache is not None else 0, idx.size(1)
         assert start + T <= self.config.block_size, f"sequence of {start + T} is past the context {self.config.block_size}"
-        pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(start, start + T, device=idx.device))
         for block in self.transformer.h:
             x = block(x, kv_cache)
         logits = self.lm_head(self.transformer.ln_f(x))
         if kv_cache is not None:
             kv_cache.pos += T
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1,
-                                   reduction=reduction)
+        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
+                                                            ignore_index=-1, reduction=reduction)
         return logits, loss
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
-
-    def flops_per_token(self, seq_len):
-        """Training FLOPs per token: 6N for the weight matmuls plus attention's 12 * L * d * T (PaLM, app. B)."""
-        n = self.num_params() - self.transformer.wpe.weight.numel()  # position lookups do no matmul
-        return 6 * n + 12 * self.config.n_layer * self.config.n_embd * seq_len
-
-    def load_hf_state_dict(self, hf_state):
-        """Copy weights from transformers' GPT2LMHeadModel, whose Conv1D layers store weights transposed."""
-        transposed = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-        state = self.state_dict()
-        with torch.no_grad():
-            for name, value in hf_state.items():
-                if name.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers, not weights
-                    continue
-                value = value.t() if name.endswith(transposed) else value
-                if name in ("transformer.wte.weight", "lm_head.weight"):
-                    # the padding rows start at the mean embedding, so they take almost no probability
-                    state[name][: value.size(0)].copy_(value)
-                    state[name][value.size(0):].copy_(value.mean(0))
-                else:
-                    state[name].copy_(value)
-
-    @classmethod
-    def from_pretrained(cls, model_type):
-        try:
-            from transformers import GPT2LMHeadModel
-        except ImportError:
-            die(f"loading {model_type} needs transformers: pip install transformers")
-        try:  # the cache first: offline, transformers would retry the hub for ~20 s before failing
-            hf_model = GPT2LMHeadModel.from_pretrained(model_type, local_files_only=True)
-        except OSError:
-            if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") or not hub_reachable():
-                die(f"OpenAI's {model_type} weights are not in the Hugging Face cache and the hub cannot be reached; "
-                    f"go online once to download them")
-            try:
-                hf_model = GPT2LMHeadModel.from_pretrained(model_type)
-            except OSError as e:
-                die(f"could not load OpenAI's {model_type} weights ({str(e).splitlines()[0]}); go online once to cache them")
-        model = cls(GPTConfig(**MODEL_SIZES[model_type]))
-        model.load_hf_state_dict(hf_model.state_dict())
-        return model
+# ---- end shared: model ----
 
 
+# ---- shared: pretrained ----
+def gpt_from_pretrained(model_type):
+    """OpenAI's GPT-2 through transformers, from the Hugging Face cache or the hub (which offline fails at once)."""
+    try:
+        from transformers import GPT2LMHeadModel
+    except ImportError:
+        die(f"loading {model_type} needs transformers: pip install transformers")
+    try:  # the cache first, then the hub if it answers
+        hf_model = GPT2LMHeadModel.from_pretrained(model_type, local_files_only=True)
+    except OSError:
+        if not hub_reachable():
+            die(f"OpenAI's {model_type} weights are not in the Hugging Face cache and the hub cannot be reached; "
+                f"go online once to download them")
+        hf_model = GPT2LMHeadModel.from_pretrained(model_type)
+    model = GPT(GPTConfig(**MODEL_SIZES[model_type]))
+    load_hf_state_dict(model, hf_model.state_dict())
+    return model
+
+
+def load_hf_state_dict(model, hf_state):
+    """Copy weights from transformers' GPT2LMHeadModel, whose Conv1D layers store weights transposed."""
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, value in hf_state.items():
+            if name.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers, not weights
+                continue
+            value = value.t() if name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")) else value
+            state[name][: value.size(0)].copy_(value)
+            # the padding rows of the embedding start at the mean embedding: they take almost no probability
+            state[name][value.size(0):].copy_(value.mean(0))
+# ---- end shared: pretrained ----
+
+
+# ---- shared: hub ----
 def hub_reachable(timeout=3):
-    """A quick probe of the Hugging Face hub (HF_ENDPOINT where a mirror is set), so that offline fails at once."""
+    """Whether the Hugging Face hub (HF_ENDPOINT where a mirror is set) answers a quick probe, HF_HUB_OFFLINE unset:
+    offline, the libraries retry it for a while, a line on stderr each time, before they fail."""
     import socket
     from urllib.parse import urlparse
     url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     try:
+        if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+            return False
         socket.create_connection((url.hostname, url.port or (80 if url.scheme == "http" else 443)), timeout).close()
         return True
     except (OSError, ValueError):
         return False
-# ---- end shared: model ----
+# ---- end shared: hub ----
 
 
 # ---- shared: distributed ----
-def init_distributed(device_arg="auto"):
-    """DDP from torchrun's environment (NCCL on CUDA, gloo elsewhere), or a single process.
-    Returns (rank, local_rank, world_size, device)."""
-    if device_arg == "auto":
-        device_arg = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    check_device(device_arg)
-    if "RANK" not in os.environ:
-        return 0, 0, 1, device_arg
-    rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-    if device_arg.startswith("cuda"):
-        device_arg = f"cuda:{local_rank}"
-        check_device(device_arg)
-        torch.cuda.set_device(device_arg)
-        dist.init_process_group("nccl", device_id=torch.device(device_arg))
-    else:
-        dist.init_process_group("gloo")
-    return rank, local_rank, world_size, device_arg
-
-
-def check_device(device):
-    """A one-line error for a device this machine does not have, or a name torch would not take."""
-    kind, _, index = device.partition(":")
-    if kind not in ("cuda", "mps", "cpu") or (index and (kind != "cuda" or not index.isdigit())):
-        die(f"--device {device} is not a device name; give auto, cpu, mps, cuda or cuda:N")
-    if kind == "cuda" and not torch.cuda.is_available():
-        die(f"--device {device}: CUDA is not available here (torch {torch.__version__}); use --device cpu (or auto)")
-    if kind == "cuda" and index and int(index) >= torch.cuda.device_count():
-        die(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), numbered from 0")
-    if kind == "mps" and not torch.backends.mps.is_available():
-        die("--device mps: MPS (Apple GPU) is not available here; use --device cpu (or auto)")
+def init_distributed(device="auto"):
+    """The device, checked; and under torchrun the process group (NCCL on CUDA, gloo elsewhere), a GPU a process."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if device.startswith("cuda") and world_size > 1:
+        device = f"cuda:{os.environ['LOCAL_RANK']}"  # set before NCCL starts, which uses the current device
+    try:  # a device this machine lacks, or a name torch does not take, fails here
+        if device.split(":")[0] not in ("cuda", "mps", "cpu"):
+            raise ValueError("not a device name")
+        if device.startswith("cuda"):
+            torch.cuda.set_device(device)
+        torch.empty(0, device=device)
+    except Exception as e:
+        die(f"--device {device}: {str(e).splitlines()[0]}; give auto, cpu, mps, cuda or cuda:N (torch "
+            f"{torch.__version__} sees {torch.cuda.device_count()} CUDA device(s))")
+    if "RANK" in os.environ:
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
+                                device_id=torch.device(device) if device.startswith("cuda") else None)
+    return device
 
 
 def autocast_dtype(dtype_arg, device_type, width=768):
@@ -614,8 +532,7 @@ def autocast_dtype(dtype_arg, device_type, width=768):
     if dist.is_initialized():
         dist.broadcast(use_bf16, 0)  # every rank takes rank 0's pick: ranks must train in one dtype
     dtype = torch.bfloat16 if use_bf16 else torch.float32
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"dtype auto: {str(dtype)[6:]} (bf16 matmul {bf16:.3f} TFLOP/s vs fp32 {fp32:.3f})", file=sys.stderr)
+    print0(f"dtype auto: {str(dtype)[6:]} (bf16 matmul {bf16:.3f} TFLOP/s vs fp32 {fp32:.3f})", file=sys.stderr)
     return dtype
 
 
@@ -641,54 +558,35 @@ def use_compile(compile_arg, device_type):
 
 
 def autocast_context(device_type, dtype):
-    if dtype == torch.float32:
-        return nullcontext()
-    return torch.autocast(device_type=device_type, dtype=dtype)
+    return nullcontext() if dtype == torch.float32 else torch.autocast(device_type=device_type, dtype=dtype)
 # ---- end shared: distributed ----
 
 
 # ---- shared: memory ----
 memory_advice = "lower the batch size"  # what to lower when memory runs out; main() names its batch once it knows it
-MEMORY_PHASES = {"train_step": "a training step", "evaluate_val_loss": "the val loss eval", "evaluate_val": "the val eval",
-                 "generate": "sampling", "evaluate_hellaswag": "the HellaSwag eval"}  # where, by the function that ran out
 
 
 def on_out_of_memory(advice):
-    """Set the advice of the out-of-memory line: the batch that failed and what to lower."""
+    """Set the advice of the out-of-memory line: the batch that failed, and what to lower."""
     global memory_advice
     memory_advice = advice
 
 
-def is_out_of_memory(e):
-    """torch.OutOfMemoryError (CUDA, MPS), or a failed CPU allocation, which torch reports as a RuntimeError."""
-    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or (isinstance(e, RuntimeError) and any(
-        text in str(e) for text in ("can't allocate memory", "not enough memory", "out of memory")))
-
-
 def exit_on_out_of_memory(main):
-    """Run main(); running out of memory anywhere in it is one line naming where and what to lower, exit 2, once the
-    memory is given back (the frames that held the tensors are gone when the error has left main())."""
+    """Run main(); running out of memory anywhere in it is one line saying what to lower, exit 2, once the memory is
+    given back (the frames that held the tensors are gone when the error has left main())."""
     try:
         return main()
-    except Exception as e:
-        if not is_out_of_memory(e):
+    except Exception as e:  # torch reports a failed CPU allocation as a RuntimeError
+        if not isinstance(e, (MemoryError, torch.OutOfMemoryError)) and not any(
+                text in str(e) for text in ("can't allocate memory", "not enough memory", "out of memory")):
             raise
-        import traceback  # where: the outermost of our functions that was running
-        phase = next((MEMORY_PHASES[frame.f_code.co_name] for frame, _ in traceback.walk_tb(e.__traceback__)
-                      if frame.f_code.co_name in MEMORY_PHASES), None)
         memory = "GPU" if isinstance(e, torch.OutOfMemoryError) or "CUDA" in str(e) else "CPU"
     import gc
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    die(f"out of {memory} memory{f' in {phase}' if phase else ''}: {memory_advice}")
-
-
-def micro_batch_advice(B, T, total_batch_size):
-    """The advice of the training scripts: the micro-batch that failed, and what to lower."""
-    return (f"the micro-batch is --micro_batch_size {B} x --seq_len {T}; lower --micro_batch_size (gradient "
-            f"accumulation keeps --total_batch_size {total_batch_size}); if 1 does not fit, the model and its "
-            f"optimizer state do not: a smaller model, or --fsdp over several GPUs")
+    die(f"out of {memory} memory: {memory_advice}")
 # ---- end shared: memory ----
 
 
@@ -696,46 +594,27 @@ def micro_batch_advice(B, T, total_batch_size):
 CHECKPOINT_GLOB = "ckpt_*.pt"
 
 
-def find_checkpoint(path):
-    """The checkpoint file itself, or the newest checkpoint in a folder; None if there is none."""
-    if os.path.isfile(path):
-        return path
-    found = sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)))
-    return found[-1] if found else None
-
-
-def read_checkpoint(path, device="cpu", mmap=False):
-    """(checkpoint, None), or (None, why it is not a readable checkpoint of train_gpt2.py or mid_train.py)."""
-    try:
-        checkpoint = torch.load(path, map_location=device, weights_only=True, mmap=mmap)  # mmap: tensors read lazily
-    except Exception as e:
-        return None, f"{path} is not a readable checkpoint ({type(e).__name__})"
-    if not isinstance(checkpoint, dict) or not {"model", "config"} <= checkpoint.keys():
-        return None, f"{path} is not a train_gpt2.py/mid_train.py checkpoint (no model and config in it)"
-    return checkpoint, None
-
-
 def load_checkpoint(path, device="cpu", mmap=False):
-    """Load a checkpoint file, or the newest readable one in an out_dir: an unreadable newest one (a truncated,
-    empty or foreign file) is passed over with a line. A missing or unreadable checkpoint is a one-line error."""
-    if os.path.isfile(path):
-        checkpoint, problem = read_checkpoint(path, device, mmap)
-        if problem:
-            die(f"{problem}; give one written by train_gpt2.py or mid_train.py")
-        return checkpoint, path
-    found = sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)))
-    if not found:
-        die(f"no checkpoint at {path}: give a ckpt_*.pt file or an out_dir holding one")
+    """(checkpoint, its path): a checkpoint file, or the newest readable one in an out_dir, where an unreadable newer
+    one (a truncated, empty or foreign file) is passed over with a line. None readable is a one-line error."""
+    found = [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)), reverse=True)
     problems = []
-    for candidate in reversed(found):
-        checkpoint, problem = read_checkpoint(candidate, device, mmap)
-        if not problem:
-            if problems and int(os.environ.get("RANK", 0)) == 0:
-                print(f"passing over {len(problems)} newer checkpoint(s): {'; '.join(problems)}; using {candidate}",
-                      file=sys.stderr)
-            return checkpoint, candidate
-        problems.append(problem)
-    die(f"none of the {len(found)} checkpoints in {path} is readable ({problems[0]}); give another checkpoint "
+    for candidate in found:
+        try:
+            checkpoint = torch.load(candidate, map_location=device, weights_only=True, mmap=mmap)  # mmap: read lazily
+            if isinstance(checkpoint, dict) and {"model", "config"} <= checkpoint.keys():
+                if problems:
+                    print0(f"passing over {len(problems)} newer checkpoint(s): {'; '.join(problems)}; using "
+                           f"{candidate}", file=sys.stderr)
+                return checkpoint, candidate
+            problems.append(f"{candidate} is not a train_gpt2.py/mid_train.py checkpoint (no model and config in it)")
+        except Exception as e:
+            problems.append(f"{candidate} is not a readable checkpoint ({type(e).__name__})")
+    if not found:
+        die(f"no checkpoint at {path}: give a ckpt_*.pt file or an out_dir holding one (--resume: drop it to start "
+            f"afresh)")
+    die(f"{problems[0]}; give one written by train_gpt2.py or mid_train.py" if os.path.isfile(path) else
+        f"none of the {len(found)} checkpoints in {path} is readable ({problems[0]}); give another checkpoint "
         f"(a --resume run: start afresh without --resume)")
 
 

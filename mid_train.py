@@ -60,8 +60,8 @@ DEMO_PRESET = dict(  # train_gpt2.py --demo's model taught to answer questions a
 
 def get_args(argv=None):
     p = argparse.ArgumentParser(description="Midtrain a GPT-2 checkpoint on conversations (chat format) and tasks.",
-                                formatter_class=HelpFormatter)
-    p.error = lambda message: die(message)  # one-line errors, exit code 2
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.error = die  # one-line errors, exit code 2
     p.add_argument("--init_ckpt", help="train_gpt2.py checkpoint to start from (a file or an out_dir)")
     p.add_argument("--init_from", choices=list(MODEL_SIZES), help="start from OpenAI's weights (needs transformers)")
     p.add_argument("--data", nargs="+", default=["chat:hub", "mmlu:hub", "gsm8k:hub"],
@@ -121,9 +121,8 @@ def get_args(argv=None):
         args.init_ckpt = os.path.normpath(args.init_ckpt)
     if args.resume:
         args = resume_args(args, p, argv, fixed=("init_ckpt", "init_from", "optimizer", "seed", "val_fraction"))
-    if args.demo and not args.resume and args.init_ckpt and find_checkpoint(args.init_ckpt) is None:
+    if args.demo and not args.resume and args.init_ckpt and not glob.glob(os.path.join(args.init_ckpt, CHECKPOINT_GLOB)):
         die(f"--demo starts from {args.init_ckpt}, which holds no checkpoint: run python train_gpt2.py --demo first")
-    check_fsdp(args)
     return args
 
 
@@ -149,18 +148,15 @@ class KVCache:
     """Keys and values of the tokens seen so far, for generation: the prompt is run once, then one token a step."""
 
     def __init__(self, n_layer, max_len):
-        self.n_layer, self.max_len = n_layer, max_len
-        self.k = self.v = None
-        self.pos = 0  # tokens in the cache
+        self.n_layer, self.max_len, self.pos = n_layer, max_len, 0  # pos: tokens in the cache
+        self.k = self.v = None  # allocated on first use, in the dtype attention runs in (autocast's)
 
     def store(self, layer, k, v):
-        if self.k is None:  # allocated on first use, in the dtype attention runs in (autocast's)
-            B, H, _, D = k.shape
-            self.k = k.new_zeros(self.n_layer, B, H, self.max_len, D)
+        if self.k is None:
+            self.k = k.new_zeros(self.n_layer, *k.shape[:2], self.max_len, k.size(3))  # (layer, B, head, pos, dim)
             self.v = torch.zeros_like(self.k)
         end = self.pos + k.size(2)
-        self.k[layer, :, :, self.pos:end] = k
-        self.v[layer, :, :, self.pos:end] = v
+        self.k[layer, :, :, self.pos:end], self.v[layer, :, :, self.pos:end] = k, v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
 
@@ -177,17 +173,12 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        if kv_cache is None or kv_cache.pos == 0:
-            if kv_cache is not None:
-                kv_cache.store(self.layer, k, v)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # flash attention where available
-        else:
+        if kv_cache is not None:
             k, v = kv_cache.store(self.layer, k, v)
-            # the new queries see every cached key and, among themselves, only the earlier ones
-            mask = torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(diagonal=k.size(2) - T)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.c_proj(y)
+        # new queries after cached keys see all of those and, among themselves, only the earlier ones
+        mask = None if k.size(2) == T else torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(k.size(2) - T)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)  # flash attention if it can
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
 class MLP(nn.Module):
@@ -244,78 +235,71 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None, kv_cache=None, reduction="mean"):
         """Logits for every position; with targets (-1 where ignored), also the cross-entropy loss over the targets:
         their mean, or with reduction="sum" their sum (0 where there are none), which training divides itself."""
-        B, T = idx.size()
-        start = kv_cache.pos if kv_cache is not None else 0
+        start, T = kv_cache.pos if kv_cache is not None else 0, idx.size(1)
         assert start + T <= self.config.block_size, f"sequence of {start + T} is past the context {self.config.block_size}"
-        pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(start, start + T, device=idx.device))
         for block in self.transformer.h:
             x = block(x, kv_cache)
         logits = self.lm_head(self.transformer.ln_f(x))
         if kv_cache is not None:
             kv_cache.pos += T
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1,
-                                   reduction=reduction)
+        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
+                                                            ignore_index=-1, reduction=reduction)
         return logits, loss
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
-
-    def flops_per_token(self, seq_len):
-        """Training FLOPs per token: 6N for the weight matmuls plus attention's 12 * L * d * T (PaLM, app. B)."""
-        n = self.num_params() - self.transformer.wpe.weight.numel()  # position lookups do no matmul
-        return 6 * n + 12 * self.config.n_layer * self.config.n_embd * seq_len
-
-    def load_hf_state_dict(self, hf_state):
-        """Copy weights from transformers' GPT2LMHeadModel, whose Conv1D layers store weights transposed."""
-        transposed = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-        state = self.state_dict()
-        with torch.no_grad():
-            for name, value in hf_state.items():
-                if name.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers, not weights
-                    continue
-                value = value.t() if name.endswith(transposed) else value
-                if name in ("transformer.wte.weight", "lm_head.weight"):
-                    # the padding rows start at the mean embedding, so they take almost no probability
-                    state[name][: value.size(0)].copy_(value)
-                    state[name][value.size(0):].copy_(value.mean(0))
-                else:
-                    state[name].copy_(value)
-
-    @classmethod
-    def from_pretrained(cls, model_type):
-        try:
-            from transformers import GPT2LMHeadModel
-        except ImportError:
-            die(f"loading {model_type} needs transformers: pip install transformers")
-        try:  # the cache first: offline, transformers would retry the hub for ~20 s before failing
-            hf_model = GPT2LMHeadModel.from_pretrained(model_type, local_files_only=True)
-        except OSError:
-            if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") or not hub_reachable():
-                die(f"OpenAI's {model_type} weights are not in the Hugging Face cache and the hub cannot be reached; "
-                    f"go online once to download them")
-            try:
-                hf_model = GPT2LMHeadModel.from_pretrained(model_type)
-            except OSError as e:
-                die(f"could not load OpenAI's {model_type} weights ({str(e).splitlines()[0]}); go online once to cache them")
-        model = cls(GPTConfig(**MODEL_SIZES[model_type]))
-        model.load_hf_state_dict(hf_model.state_dict())
-        return model
+# ---- end shared: model ----
 
 
+# ---- shared: pretrained ----
+def gpt_from_pretrained(model_type):
+    """OpenAI's GPT-2 through transformers, from the Hugging Face cache or the hub (which offline fails at once)."""
+    try:
+        from transformers import GPT2LMHeadModel
+    except ImportError:
+        die(f"loading {model_type} needs transformers: pip install transformers")
+    try:  # the cache first, then the hub if it answers
+        hf_model = GPT2LMHeadModel.from_pretrained(model_type, local_files_only=True)
+    except OSError:
+        if not hub_reachable():
+            die(f"OpenAI's {model_type} weights are not in the Hugging Face cache and the hub cannot be reached; "
+                f"go online once to download them")
+        hf_model = GPT2LMHeadModel.from_pretrained(model_type)
+    model = GPT(GPTConfig(**MODEL_SIZES[model_type]))
+    load_hf_state_dict(model, hf_model.state_dict())
+    return model
+
+
+def load_hf_state_dict(model, hf_state):
+    """Copy weights from transformers' GPT2LMHeadModel, whose Conv1D layers store weights transposed."""
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, value in hf_state.items():
+            if name.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers, not weights
+                continue
+            value = value.t() if name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")) else value
+            state[name][: value.size(0)].copy_(value)
+            # the padding rows of the embedding start at the mean embedding: they take almost no probability
+            state[name][value.size(0):].copy_(value.mean(0))
+# ---- end shared: pretrained ----
+
+
+# ---- shared: hub ----
 def hub_reachable(timeout=3):
-    """A quick probe of the Hugging Face hub (HF_ENDPOINT where a mirror is set), so that offline fails at once."""
+    """Whether the Hugging Face hub (HF_ENDPOINT where a mirror is set) answers a quick probe, HF_HUB_OFFLINE unset:
+    offline, the libraries retry it for a while, a line on stderr each time, before they fail."""
     import socket
     from urllib.parse import urlparse
     url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     try:
+        if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+            return False
         socket.create_connection((url.hostname, url.port or (80 if url.scheme == "http" else 443)), timeout).close()
         return True
     except (OSError, ValueError):
         return False
-# ---- end shared: model ----
+# ---- end shared: hub ----
 
 
 # ---- shared: chat ----
@@ -504,7 +488,7 @@ def load_hub(kind):
     except ImportError:
         die(f"{kind}:hub needs datasets (pip install datasets); or give local files, e.g. --data {kind}:path")
     name, config, split = HUB_SOURCES[kind]
-    if not hub_reachable(timeout=5):
+    if not hub_reachable():
         die(f"cannot reach the Hugging Face hub for {kind}:hub; offline, give local files, e.g. --data {kind}:path")
     for row in datasets.load_dataset(name, config, split=split):
         if kind == "chat":
@@ -680,13 +664,10 @@ def lr_multiplier(step, args):
 # ---- shared: step ----
 def train_step(model, optimizers, scaler, next_batch, grad_accum_steps, step_tokens, grad_clip, autocast_ctx):
     """One optimizer step over grad_accum_steps micro-batches. Returns this rank's part of the loss and the gradient
-    norm as device tensors (no host sync in here), and the step's timestamps."""
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
-    loss_accum, marks = 0.0, []
+    norm as device tensors: no host sync in here."""
+    loss_accum = 0.0
     for micro_step in range(grad_accum_steps):
-        t0 = timestamp()
         x, y = next_batch()  # on the device already
-        t1 = timestamp()
         # all-reduce the gradients on the last micro-step only: the ones before just add to .grad
         last = micro_step == grad_accum_steps - 1
         if isinstance(model, DDP):
@@ -702,7 +683,6 @@ def train_step(model, optimizers, scaler, next_batch, grad_accum_steps, step_tok
         loss = loss * (world_size / max(step_tokens, 1))  # a step with no target at all: 0, not 0 / 0
         loss_accum = loss_accum + loss.detach()
         scaler.scale(loss).backward()
-        marks.append((t0, t1, timestamp()))
     for opt in optimizers:
         scaler.unscale_(opt)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
@@ -713,7 +693,7 @@ def train_step(model, optimizers, scaler, next_batch, grad_accum_steps, step_tok
     scaler.update()
     for opt in optimizers:
         opt.zero_grad(set_to_none=True)
-    return loss_accum, grad_norm, (marks, timestamp())
+    return loss_accum, grad_norm
 # ---- end shared: step ----
 
 
@@ -723,13 +703,12 @@ def train_step(model, optimizers, scaler, next_batch, grad_accum_steps, step_tok
 
 def main(argv=None):
     args = get_args(argv)
-    rank, local_rank, world_size, device = init_distributed(args.device)
+    device = init_distributed(args.device)
     device_type = device.split(":")[0]
-    master = rank == 0  # rank 0 prints, logs and writes checkpoints
     torch.manual_seed(args.seed)
 
     # ---- check the inputs before any work
-    if master:
+    if master_process:
         prepare_out_dir(args.out_dir, "--out_dir")
 
     # ---- the model: a checkpoint to resume, a base checkpoint of ours, or OpenAI's weights
@@ -739,7 +718,7 @@ def main(argv=None):
     elif args.init_ckpt:
         raw_model = model_from_checkpoint(load_checkpoint(args.init_ckpt)[0])
     else:
-        raw_model = GPT.from_pretrained(args.init_from)
+        raw_model = gpt_from_pretrained(args.init_from)
     enc = get_chat_tokenizer()
     if enc.n_vocab > raw_model.config.vocab_size:
         die(f"the model's vocab of {raw_model.config.vocab_size} has no room for the chat tokens (needs {enc.n_vocab})")
@@ -795,16 +774,15 @@ def main(argv=None):
         train_loader.load_state(checkpoint["loader"])
         del checkpoint
     log, wandb_run, wandb_run_id = open_run_log(args, start_step, wandb_run_id)
-    if master:
-        if start_step > 0:
-            print(f"resuming from {args.resume} at step {start_step}")
-        print(f"{raw_model.num_params():,} parameters, {parameter_mib(raw_model):.1f} MiB of them per rank "
-              f"({'FSDP' if args.fsdp else 'DDP' if world_size > 1 else 'one process'}) | {device} "
-              f"{str(dtype).replace('torch.', '')} | {args.max_steps} steps of {total_batch_size:,} tokens = {grad_accum_steps} x {B} x {T} x {world_size}")
-        print(f"{n_train:,} train conversations (with epochs) in {len(train_tokens):,} rows of {T + 1} tokens, "
-              f"{cropped} cropped; {n_val:,} val conversations in {len(val_tokens) - pad:,} rows")
-        if use_compile(args.compile, device_type):
-            print("compiling the model (the first step takes a minute or more)", flush=True)
+    if start_step > 0:
+        print0(f"resuming from {args.resume} at step {start_step}")
+    print0(f"{raw_model.num_params():,} parameters, {parameter_mib(raw_model):.1f} MiB of them per rank "
+           f"({'FSDP' if args.fsdp else 'DDP' if world_size > 1 else 'one process'}) | {device} "
+           f"{str(dtype)[6:]} | {args.max_steps} steps of {total_batch_size:,} tokens = {grad_accum_steps} x {B} x {T} x {world_size}")
+    print0(f"{n_train:,} train conversations (with epochs) in {len(train_tokens):,} rows of {T + 1} tokens, "
+           f"{cropped} cropped; {n_val:,} val conversations in {len(val_tokens) - pad:,} rows")
+    if use_compile(args.compile, device_type):
+        print0("compiling the model (the first step takes a minute or more)", flush=True)
 
     @torch.no_grad()
     def evaluate_val():
@@ -814,7 +792,7 @@ def main(argv=None):
         val_loader.load_state({"pos": 0})
         sums = torch.zeros(4, device=device)  # loss in nats, learned tokens; loss over tokens with bytes, their bytes
         val_steps = len(val_tokens) // (B * world_size)
-        for i in progress(range(val_steps), "val loss", enabled=master):
+        for i in progress(range(val_steps), "val loss"):
             if i % 16 == 15 and stop_agreed(device):
                 model.train()
                 return None
@@ -838,8 +816,8 @@ def main(argv=None):
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
-    step_log = StepLog(args.max_steps, total_batch_size, raw_model.flops_per_token(T) * total_batch_size,
-                       device, peak_flops(device, args.peak_flops))
+    step_log = StepLog(args.max_steps, total_batch_size, flops_per_token(raw_model, T) * total_batch_size, device,
+                       peak_flops(device, args.peak_flops))
     stop = False  # agreed by all ranks
     reply_end = {enc.encode_single_token("<|assistant_end|>"), EOT_TOKEN}
 
@@ -860,12 +838,11 @@ def main(argv=None):
                     f"step {step:5d} | val loss {val_loss:.4f} | val bpb {val_bpb:.4f}")
         if stop:
             save(step)  # older checkpoints stay: these weights have given no loss yet (the resumed run prunes)
-            if master:
-                print(f"stopped by signal at step {step}; continue with --resume", flush=True)
+            print0(f"stopped by signal at step {step}; continue with --resume", flush=True)
             break
 
         # once in a while sample a reply (also at the start: what the base model replies before it learns the format)
-        if evaluate and args.num_samples and (master or args.fsdp):  # FSDP: all ranks forward
+        if evaluate and args.num_samples and (master_process or args.fsdp):  # FSDP: all ranks forward
             raw_model.eval()
             generator = torch.Generator(device).manual_seed(args.seed + step)  # leaves the training RNG alone
             prompt = torch.tensor([render_for_reply(enc, [{"role": "user", "content": args.prompt}])], device=device)
@@ -877,8 +854,7 @@ def main(argv=None):
                     if reply[-1] in reply_end and not args.fsdp:  # FSDP: every rank runs all sample_len forwards
                         break
                 reply = list(itertools.takewhile(lambda t: t not in reply_end, reply))
-                if master:
-                    print(f"---- sample {i} ----\nuser: {args.prompt}\nassistant: {enc.decode(reply)}", flush=True)
+                print0(f"---- sample {i} ----\nuser: {args.prompt}\nassistant: {enc.decode(reply)}", flush=True)
             raw_model.train()
 
         # once in a while save a checkpoint (older ones are pruned once its weights have given a finite loss)
@@ -889,12 +865,13 @@ def main(argv=None):
             break
 
         # one optimizer step
-        step_log.start()
+        t0 = time.perf_counter()
         set_schedule(optimizers, lr_multiplier(step, args), step, args)
         step_tokens = train_loader.step_tokens(grad_accum_steps)  # the targets the step will read, on all ranks
-        loss, grad_norm, marks = train_step(model, optimizers, scaler, train_loader.next_batch, grad_accum_steps,
+        loss, grad_norm = train_step(model, optimizers, scaler, train_loader.next_batch, grad_accum_steps,
                                             step_tokens, args.grad_clip, autocast_ctx)
-        loss, grad_norm, stop = agree_on_step(loss, grad_norm)
+        loss, grad_norm, stop = agree_on_step(loss, grad_norm)  # the step's one host sync: now it is done
+        step_seconds = time.perf_counter() - t0
         lr = optimizers[0].param_groups[0]["lr"]  # the lr AdamW stepped with
         saved = step > start_step and step % args.save_every == 0  # a checkpoint of the weights this step started from
         # diverged: stop before anything else is saved (float16's grad scaler skips a step whose gradients overflow)
@@ -904,7 +881,7 @@ def main(argv=None):
             prune_checkpoints(args.out_dir, step, args.keep_checkpoints)
 
         # the log: a line every log_every steps, with the means since the last one
-        step_log.add(step, loss, grad_norm, marks)
+        step_log.add(step, loss, grad_norm, step_seconds)
         if step % args.log_every == 0 or step == args.max_steps - 1:
             log(*step_log.record(step, lr))
 
@@ -950,7 +927,7 @@ def stop_agreed(device):
 
 def stop_diverged(step, what, lr, out_dir, saved):
     """A non-finite loss: stop at once on every rank, drop the checkpoint of these weights (saved), say where to go on."""
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if master_process:
         path = os.path.join(out_dir, f"ckpt_{step:07d}.pt")
         if saved:
             os.remove(path)
@@ -958,76 +935,49 @@ def stop_diverged(step, what, lr, out_dir, saved):
         where = f"resume from {older[-1]} with --resume and a lower --lr" if older else "start again with a lower --lr"
         if os.path.isfile(path):  # the run resumed from these weights: --resume would take them again
             where = f"move {path} aside (its weights diverge), then {where}"
-        print(f"error: the run diverged at step {step} ({what} at lr {lr:.4e}); nothing of it was saved: {where}",
-              file=sys.stderr)
+        die(f"the run diverged at step {step} ({what} at lr {lr:.4e}); nothing of it was saved: {where}")
     sys.exit(2)
 
 
-def timestamp():
-    """A point in time that costs no host sync: a CUDA event (read once per log line), else the clock."""
-    if torch.cuda.is_initialized():
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-    return time.perf_counter()
-
-
-def elapsed_ms(start, end):
-    return (end - start) * 1000 if isinstance(start, float) else start.elapsed_time(end)
-
-
 class StepLog:
-    """The step lines: the losses and timings of the steps since the last line, averaged into the next one."""
+    """The step lines: the losses of the steps since the last line and their time, averaged into the next one."""
 
     def __init__(self, max_steps, tokens_per_step, flops_per_step, device, peak_flops):
         self.max_steps, self.tokens_per_step, self.flops_per_step = max_steps, tokens_per_step, flops_per_step
-        self.device, self.peak_flops = device, peak_flops
-        self.steps, self.eta_from = [], None  # eta_from: (step, time) after the first step, which compiles
-        if not peak_flops and (not dist.is_initialized() or dist.get_rank() == 0):
+        self.device, self.peak_flops, self.steps, self.first = device, peak_flops, [], None
+        if not peak_flops:
             name = torch.cuda.get_device_name(device) if device.startswith("cuda") else device
-            print(f"no MFU: the bf16 peak FLOP/s of {name} is not known; give it with --peak_flops")
+            print0(f"no MFU: the bf16 peak FLOP/s of {name} is not known; give it with --peak_flops")
 
-    def start(self):
-        if not self.steps:  # the interval's wall time counts from here: evals and checkpoints are left out
-            self.t_interval = time.perf_counter()
-
-    def add(self, step, loss, grad_norm, marks):
-        self.steps.append((loss, grad_norm, marks))
-        if self.eta_from is None:
-            self.eta_from = (step, time.perf_counter())
+    def add(self, step, loss, grad_norm, seconds):
+        self.steps.append((loss, grad_norm, seconds))
+        self.first = self.first or (step, time.perf_counter())  # after the first step, which compiles
 
     def record(self, step, lr):
-        """The log record and line, and a new interval. tok/s is over all ranks in the slowest rank's time, MFU over
-        all devices; memory is per rank. A collective."""
-        n, world_size = len(self.steps), dist.get_world_size() if dist.is_initialized() else 1
-        losses, norms, timings = zip(*self.steps)
-        now = time.perf_counter()
-        stats = [torch.tensor([now - self.t_interval, peak_memory_gib(self.device)], device=self.device)
-                 for _ in range(world_size)]
-        if world_size > 1:
-            dist.all_gather(stats, stats[0].clone())
-        step_s = max(s[0].item() for s in stats) / n
-        memory = [round(s[1].item(), 3) for s in stats]
-        data_ms = sum(elapsed_ms(a, b) for marks, _ in timings for a, b, _ in marks) / n
-        fb_ms = sum(elapsed_ms(b, c) for marks, _ in timings for _, b, c in marks) / n
-        opt_ms = sum(elapsed_ms(marks[-1][2], end) for marks, end in timings) / n
-        loss, grad_norm = sum(losses) / n, sum(norms) / n
-        tokens = (step + 1) * self.tokens_per_step  # consumed since step 0, over all ranks
-        record = {"step": step, "loss": loss, "loss_last": losses[-1], "lr": lr, "grad_norm": grad_norm,
-                  "tokens": tokens, "ms": step_s * 1000, "tok_per_s": self.tokens_per_step / step_s, "data_ms": data_ms,
-                  "fwd_bwd_ms": fb_ms, "opt_ms": opt_ms, "peak_mem_gib": memory}
-        last = f" (last {losses[-1]:.6f})" if n > 1 else ""
-        line = (f"step {step:5d}/{self.max_steps} | loss {loss:.6f}{last} | lr {lr:.4e} | norm {grad_norm:.4f} | "
-                f"{step_s * 1000:.1f} ms (data {data_ms:.1f}, fwd+bwd {fb_ms:.1f}, opt {opt_ms:.1f}) | "
-                f"{record['tok_per_s']:,.0f} tok/s | {short_count(tokens)} tokens | mem {max(memory):.2f} GiB/rank")
+        """The log record and line, and a new interval. tok/s is over all ranks (which keep in step), MFU over all
+        devices; memory is rank 0's."""
+        losses, norms, seconds = zip(*self.steps)
+        n, step_s, memory = len(losses), sum(seconds) / len(losses), peak_memory_gib(self.device)
+        record = {"step": step, "loss": sum(losses) / n, "loss_last": losses[-1], "lr": lr, "grad_norm": sum(norms) / n,
+                  "tokens": (step + 1) * self.tokens_per_step, "ms": step_s * 1000,
+                  "tok_per_s": self.tokens_per_step / step_s, "peak_mem_gib": memory}
+        line = (f"step {step:5d}/{self.max_steps} | loss {record['loss']:.6f}{f' (last {losses[-1]:.6f})' * (n > 1)} | "
+                f"lr {lr:.4e} | norm {record['grad_norm']:.4f} | {step_s * 1000:.1f} ms | {record['tok_per_s']:,.0f} "
+                f"tok/s | {record['tokens']:,} tokens | mem {memory:.2f} GiB")
         if self.peak_flops:
             record["mfu"] = self.flops_per_step / step_s / (self.peak_flops * world_size)
             line += f" | MFU {record['mfu'] * 100:.1f}%"
-        if step > self.eta_from[0]:  # the mean wall time of a step since the first one, evals and checkpoints included
-            record["eta_s"] = (now - self.eta_from[1]) / (step - self.eta_from[0]) * (self.max_steps - 1 - step)
+        if step > self.first[0]:  # the mean wall time of a step since the first one, evals and checkpoints included
+            record["eta_s"] = (time.perf_counter() - self.first[1]) / (step - self.first[0]) * (self.max_steps - 1 - step)
             line += f" | eta {duration(record['eta_s'])}"
         self.steps = []
         return record, line
+
+
+def flops_per_token(model, seq_len):
+    """Training FLOPs per token: 6N for the weight matmuls plus attention's 12 * L * d * T (PaLM, app. B)."""
+    n = model.num_params() - model.transformer.wpe.weight.numel()  # position lookups do no matmul
+    return 6 * n + 12 * model.config.n_layer * model.config.n_embd * seq_len
 
 
 def peak_memory_gib(device):
@@ -1042,18 +992,14 @@ def duration(seconds):
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
-def short_count(n):
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
-
-
 def setup_training(raw_model, args, dtype):
     """Sharding, optimizers, DDP and compile, in the order they must happen. Returns the module that trains and
     evaluates (DDP-wrapped and/or compiled), the optimizers, the grad scaler (float16 only) and the autocast context."""
     device = next(raw_model.parameters()).device
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
     autocast_ctx = autocast_context(device.type, dtype)
-    if args.fsdp and dtype == torch.float16:  # --dtype auto on a GPU without bf16 (check_fsdp saw the flag only)
-        die("--fsdp trains with AdamW in bfloat16 or float32, and this GPU has no bfloat16; give --dtype float32")
+    if args.fsdp and (world_size < 2 or args.optimizer == "muon" or dtype == torch.float16):
+        die("--fsdp shards AdamW in bfloat16 or float32 over processes: launch with torchrun --nproc_per_node=N, "
+            "without --optimizer muon or float16 (give --dtype float32 on a GPU without bfloat16)")
     if args.fsdp:
         # FSDP2: each block, then the rest (embedding tied with the head, final norm). With bfloat16 the blocks
         # compute in it from fp32 master weights, and gradients are reduced in fp32
@@ -1082,35 +1028,11 @@ def parameter_mib(model):
     return sum(p.numel() * p.element_size() for p in local) / 2**20
 
 
-def save_checkpoint(checkpoint, out_dir, step):
-    """Written to a temp file and renamed, so a checkpoint on disk is never partial."""
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"ckpt_{step:07d}.pt")
-    if os.path.isdir(path):  # a folder in the way, which --resume passed over: moved aside, never deleted
-        os.replace(path, path + f".folder_{int(time.time())}")
-        print(f"moved the folder {path} aside to {path}.folder_* to save the checkpoint there", file=sys.stderr)
-    try:
-        with open(path + ".tmp", "wb") as f:
-            torch.save(checkpoint, f)
-            fsync_file(f)
-        rename_synced(path + ".tmp", path)
-    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
-        older = find_checkpoint(out_dir)
-        write_failed(path, e, f"free space in --out_dir {out_dir} (or move it), then go on with --resume from "
-                              f"{os.path.basename(older)}: the older checkpoints are as they were" if older else
-                              f"free space in --out_dir {out_dir} or give another one, then start the run again")
-    return path
-
-
-def prune_checkpoints(out_dir, step, keep):
-    """Keep the newest `keep` up to step's, counting back from it: a newer file is a leftover that --resume passed
-    over (unreadable, or past where this run went on from), and pruning by name would delete step's instead."""
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return
-    path = os.path.join(out_dir, f"ckpt_{step:07d}.pt")
-    older = [f for f in sorted(glob.glob(os.path.join(out_dir, CHECKPOINT_GLOB))) if f < path and os.path.isfile(f)]
-    for old in older[:max(0, len(older) - (keep - 1))]:
-        os.remove(old)
+def micro_batch_advice(B, T, total_batch_size):
+    """The out-of-memory line's advice in the trainers: the micro-batch that failed, and what to lower."""
+    return (f"the micro-batch is --micro_batch_size {B} x --seq_len {T}; lower --micro_batch_size (gradient "
+            f"accumulation keeps --total_batch_size {total_batch_size}); if 1 does not fit, the model and its "
+            f"optimizer state do not: a smaller model, or --fsdp over several GPUs")
 
 
 def save_training_checkpoint(raw_model, optimizers, scaler, args, step, **fields):
@@ -1120,30 +1042,43 @@ def save_training_checkpoint(raw_model, optimizers, scaler, args, step, **fields
     # full state dicts on rank 0, the optimizer's keyed by parameter name: one format, sharded or not
     model_state, optimizer_state = get_state_dict(raw_model, optimizers, options=StateDictOptions(
         full_state_dict=True, cpu_offload=True))
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if master_process:
         rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_initialized():
             rng["cuda"] = torch.cuda.get_rng_state()
         checkpoint = {"model": model_state, "optimizer": optimizer_state, "scaler": scaler.state_dict(), "step": step,
                       "config": asdict(raw_model.config), "args": vars(args), "rng": rng, **fields}
-        path = save_checkpoint(checkpoint, args.out_dir, step)
+        path = os.path.join(args.out_dir, f"ckpt_{step:07d}.pt")
+        older = sorted(glob.glob(os.path.join(args.out_dir, CHECKPOINT_GLOB)))
+        write_file(path, lambda f: torch.save(checkpoint, f),
+                   f"free space in --out_dir {args.out_dir} (or move it), then go on with --resume from "
+                   f"{os.path.basename(older[-1])}: the older checkpoints are as they were" if older else
+                   f"free space in --out_dir {args.out_dir} or give another one, then start the run again")
         print(f"saved {path}", flush=True)
     if dist.is_initialized():
         dist.barrier()
 
 
+def prune_checkpoints(out_dir, step, keep):
+    """Keep the newest `keep` up to step's, counting back from it: a newer file is a leftover that --resume passed
+    over (unreadable, or past where this run went on from), and pruning by name would delete step's instead."""
+    if master_process:
+        path = os.path.join(out_dir, f"ckpt_{step:07d}.pt")
+        older = [f for f in sorted(glob.glob(os.path.join(out_dir, CHECKPOINT_GLOB))) if f < path]
+        for old in older[:max(0, len(older) - (keep - 1))]:
+            os.remove(old)
+
+
 def resume_args(args, parser, argv, fixed):
     """--resume: flags not given take the checkpoint's values; the `fixed` ones (model shape, optimizer) must match.
     Sets args.resume to the newest readable checkpoint, which main() loads."""
-    if find_checkpoint(args.out_dir) is None:
-        die(f"--resume found no checkpoint in {args.out_dir}; drop --resume to start afresh")
     # the flags given on the command line: parsed again into a namespace holding a marker for every flag, since
     # argparse sets defaults only where the namespace has nothing
     unset = object()
     namespace = argparse.Namespace(**{action.dest: unset for action in parser._actions})
     given = {key for key, value in vars(parser.parse_args(argv, namespace)).items() if value is not unset}
     checkpoint, args.resume = load_checkpoint(args.out_dir, mmap=True)  # mmap: no tensor is read yet
-    saved = {**checkpoint.get("args", {}), **{k: v for k, v in checkpoint.get("config", {}).items() if k in fixed}}
+    saved = {**checkpoint["args"], **{k: v for k, v in checkpoint["config"].items() if k in fixed}}
     changed = []
     for key, value in vars(args).items():
         if key in ("resume", "out_dir", "demo") or key not in saved or saved[key] == value:  # demo: a preset only
@@ -1155,17 +1090,9 @@ def resume_args(args, parser, argv, fixed):
             changed.append(f"{key} {saved[key]} -> {value}")
         else:
             setattr(args, key, saved[key])
-    if changed and os.environ.get("RANK", "0") == "0":
-        print(f"resume: flags changed since the checkpoint: {', '.join(changed)}")
+    if changed:
+        print0(f"resume: flags changed since the checkpoint: {', '.join(changed)}")
     return args
-
-
-def check_fsdp(args):
-    """--fsdp's conditions, checked when the flags are parsed: a failing run's stderr is then its one error line."""
-    if args.fsdp and int(os.environ.get("WORLD_SIZE", 1)) < 2:
-        die("--fsdp shards over processes: launch with torchrun --nproc_per_node=N")
-    if args.fsdp and (args.optimizer == "muon" or args.dtype == "float16"):
-        die("--fsdp trains with AdamW in bfloat16 or float32; drop --optimizer muon / --dtype float16")
 
 
 def restore_training_state(checkpoint, raw_model, optimizers, scaler):
@@ -1187,46 +1114,29 @@ def restore_training_state(checkpoint, raw_model, optimizers, scaler):
 
 # ---- shared: memory ----
 memory_advice = "lower the batch size"  # what to lower when memory runs out; main() names its batch once it knows it
-MEMORY_PHASES = {"train_step": "a training step", "evaluate_val_loss": "the val loss eval", "evaluate_val": "the val eval",
-                 "generate": "sampling", "evaluate_hellaswag": "the HellaSwag eval"}  # where, by the function that ran out
 
 
 def on_out_of_memory(advice):
-    """Set the advice of the out-of-memory line: the batch that failed and what to lower."""
+    """Set the advice of the out-of-memory line: the batch that failed, and what to lower."""
     global memory_advice
     memory_advice = advice
 
 
-def is_out_of_memory(e):
-    """torch.OutOfMemoryError (CUDA, MPS), or a failed CPU allocation, which torch reports as a RuntimeError."""
-    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or (isinstance(e, RuntimeError) and any(
-        text in str(e) for text in ("can't allocate memory", "not enough memory", "out of memory")))
-
-
 def exit_on_out_of_memory(main):
-    """Run main(); running out of memory anywhere in it is one line naming where and what to lower, exit 2, once the
-    memory is given back (the frames that held the tensors are gone when the error has left main())."""
+    """Run main(); running out of memory anywhere in it is one line saying what to lower, exit 2, once the memory is
+    given back (the frames that held the tensors are gone when the error has left main())."""
     try:
         return main()
-    except Exception as e:
-        if not is_out_of_memory(e):
+    except Exception as e:  # torch reports a failed CPU allocation as a RuntimeError
+        if not isinstance(e, (MemoryError, torch.OutOfMemoryError)) and not any(
+                text in str(e) for text in ("can't allocate memory", "not enough memory", "out of memory")):
             raise
-        import traceback  # where: the outermost of our functions that was running
-        phase = next((MEMORY_PHASES[frame.f_code.co_name] for frame, _ in traceback.walk_tb(e.__traceback__)
-                      if frame.f_code.co_name in MEMORY_PHASES), None)
         memory = "GPU" if isinstance(e, torch.OutOfMemoryError) or "CUDA" in str(e) else "CPU"
     import gc
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    die(f"out of {memory} memory{f' in {phase}' if phase else ''}: {memory_advice}")
-
-
-def micro_batch_advice(B, T, total_batch_size):
-    """The advice of the training scripts: the micro-batch that failed, and what to lower."""
-    return (f"the micro-batch is --micro_batch_size {B} x --seq_len {T}; lower --micro_batch_size (gradient "
-            f"accumulation keeps --total_batch_size {total_batch_size}); if 1 does not fit, the model and its "
-            f"optimizer state do not: a smaller model, or --fsdp over several GPUs")
+    die(f"out of {memory} memory: {memory_advice}")
 # ---- end shared: memory ----
 
 
@@ -1250,11 +1160,8 @@ def peak_flops(device, override=None):
 def open_run_log(args, start_step, wandb_run_id):
     """Rank 0's out_dir/log.jsonl (on resume, minus records past the checkpoint) and wandb run (continued on resume).
     Returns log(record, line), the wandb run and its id."""
-    path = os.path.join(args.out_dir, "log.jsonl")
-    wandb_run = None
-    master = not dist.is_initialized() or dist.get_rank() == 0
-    if master:
-        os.makedirs(args.out_dir, exist_ok=True)
+    path, wandb_run = os.path.join(args.out_dir, "log.jsonl"), None
+    if master_process:
         kept = []
         if start_step > 0 and os.path.exists(path):
             with open(path, "rb") as f:
@@ -1264,13 +1171,7 @@ def open_run_log(args, start_step, wandb_run_id):
                 print(f"{path}: dropping {broken} unreadable (half-written) line(s)", file=sys.stderr)
             kept = [line.rstrip(b"\n") + b"\n" for line, record in records
                     if record is not None and record.get("step", 0) < start_step]
-        try:
-            with open(path + ".tmp", "wb") as f:
-                f.writelines(kept)
-                fsync_file(f)
-            rename_synced(path + ".tmp", path)
-        except OSError as e:
-            write_failed(path, e, "free space in --out_dir or give another one")
+        write_file(path, lambda f: f.writelines(kept), "free space in --out_dir or give another one")
         if args.wandb_project:
             import wandb
             try:
@@ -1282,14 +1183,14 @@ def open_run_log(args, start_step, wandb_run_id):
             wandb_run_id = wandb_run.id
 
     def log(record, line):
-        if master:
+        if master_process:
             print(line, flush=True)
             try:
                 with open(path, "a") as f:
                     f.write(json.dumps(record) + "\n")
             except OSError as e:
-                write_failed(path, e, "free space (or move --out_dir), then go on with --resume from the newest "
-                                      "checkpoint: a half-written last line is dropped then")
+                die(f"cannot write {path} ({e.strerror}); free space (or move --out_dir), then go on with --resume "
+                    f"from the newest checkpoint: a half-written last line is dropped then")
             if wandb_run is not None:
                 wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
 
@@ -1310,46 +1211,27 @@ def log_record(line):
 CHECKPOINT_GLOB = "ckpt_*.pt"
 
 
-def find_checkpoint(path):
-    """The checkpoint file itself, or the newest checkpoint in a folder; None if there is none."""
-    if os.path.isfile(path):
-        return path
-    found = sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)))
-    return found[-1] if found else None
-
-
-def read_checkpoint(path, device="cpu", mmap=False):
-    """(checkpoint, None), or (None, why it is not a readable checkpoint of train_gpt2.py or mid_train.py)."""
-    try:
-        checkpoint = torch.load(path, map_location=device, weights_only=True, mmap=mmap)  # mmap: tensors read lazily
-    except Exception as e:
-        return None, f"{path} is not a readable checkpoint ({type(e).__name__})"
-    if not isinstance(checkpoint, dict) or not {"model", "config"} <= checkpoint.keys():
-        return None, f"{path} is not a train_gpt2.py/mid_train.py checkpoint (no model and config in it)"
-    return checkpoint, None
-
-
 def load_checkpoint(path, device="cpu", mmap=False):
-    """Load a checkpoint file, or the newest readable one in an out_dir: an unreadable newest one (a truncated,
-    empty or foreign file) is passed over with a line. A missing or unreadable checkpoint is a one-line error."""
-    if os.path.isfile(path):
-        checkpoint, problem = read_checkpoint(path, device, mmap)
-        if problem:
-            die(f"{problem}; give one written by train_gpt2.py or mid_train.py")
-        return checkpoint, path
-    found = sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)))
-    if not found:
-        die(f"no checkpoint at {path}: give a ckpt_*.pt file or an out_dir holding one")
+    """(checkpoint, its path): a checkpoint file, or the newest readable one in an out_dir, where an unreadable newer
+    one (a truncated, empty or foreign file) is passed over with a line. None readable is a one-line error."""
+    found = [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)), reverse=True)
     problems = []
-    for candidate in reversed(found):
-        checkpoint, problem = read_checkpoint(candidate, device, mmap)
-        if not problem:
-            if problems and int(os.environ.get("RANK", 0)) == 0:
-                print(f"passing over {len(problems)} newer checkpoint(s): {'; '.join(problems)}; using {candidate}",
-                      file=sys.stderr)
-            return checkpoint, candidate
-        problems.append(problem)
-    die(f"none of the {len(found)} checkpoints in {path} is readable ({problems[0]}); give another checkpoint "
+    for candidate in found:
+        try:
+            checkpoint = torch.load(candidate, map_location=device, weights_only=True, mmap=mmap)  # mmap: read lazily
+            if isinstance(checkpoint, dict) and {"model", "config"} <= checkpoint.keys():
+                if problems:
+                    print0(f"passing over {len(problems)} newer checkpoint(s): {'; '.join(problems)}; using "
+                           f"{candidate}", file=sys.stderr)
+                return checkpoint, candidate
+            problems.append(f"{candidate} is not a train_gpt2.py/mid_train.py checkpoint (no model and config in it)")
+        except Exception as e:
+            problems.append(f"{candidate} is not a readable checkpoint ({type(e).__name__})")
+    if not found:
+        die(f"no checkpoint at {path}: give a ckpt_*.pt file or an out_dir holding one (--resume: drop it to start "
+            f"afresh)")
+    die(f"{problems[0]}; give one written by train_gpt2.py or mid_train.py" if os.path.isfile(path) else
+        f"none of the {len(found)} checkpoints in {path} is readable ({problems[0]}); give another checkpoint "
         f"(a --resume run: start afresh without --resume)")
 
 
@@ -1444,36 +1326,25 @@ def set_schedule(optimizers, multiplier, step, args):
 
 
 # ---- shared: distributed ----
-def init_distributed(device_arg="auto"):
-    """DDP from torchrun's environment (NCCL on CUDA, gloo elsewhere), or a single process.
-    Returns (rank, local_rank, world_size, device)."""
-    if device_arg == "auto":
-        device_arg = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    check_device(device_arg)
-    if "RANK" not in os.environ:
-        return 0, 0, 1, device_arg
-    rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-    if device_arg.startswith("cuda"):
-        device_arg = f"cuda:{local_rank}"
-        check_device(device_arg)
-        torch.cuda.set_device(device_arg)
-        dist.init_process_group("nccl", device_id=torch.device(device_arg))
-    else:
-        dist.init_process_group("gloo")
-    return rank, local_rank, world_size, device_arg
-
-
-def check_device(device):
-    """A one-line error for a device this machine does not have, or a name torch would not take."""
-    kind, _, index = device.partition(":")
-    if kind not in ("cuda", "mps", "cpu") or (index and (kind != "cuda" or not index.isdigit())):
-        die(f"--device {device} is not a device name; give auto, cpu, mps, cuda or cuda:N")
-    if kind == "cuda" and not torch.cuda.is_available():
-        die(f"--device {device}: CUDA is not available here (torch {torch.__version__}); use --device cpu (or auto)")
-    if kind == "cuda" and index and int(index) >= torch.cuda.device_count():
-        die(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), numbered from 0")
-    if kind == "mps" and not torch.backends.mps.is_available():
-        die("--device mps: MPS (Apple GPU) is not available here; use --device cpu (or auto)")
+def init_distributed(device="auto"):
+    """The device, checked; and under torchrun the process group (NCCL on CUDA, gloo elsewhere), a GPU a process."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if device.startswith("cuda") and world_size > 1:
+        device = f"cuda:{os.environ['LOCAL_RANK']}"  # set before NCCL starts, which uses the current device
+    try:  # a device this machine lacks, or a name torch does not take, fails here
+        if device.split(":")[0] not in ("cuda", "mps", "cpu"):
+            raise ValueError("not a device name")
+        if device.startswith("cuda"):
+            torch.cuda.set_device(device)
+        torch.empty(0, device=device)
+    except Exception as e:
+        die(f"--device {device}: {str(e).splitlines()[0]}; give auto, cpu, mps, cuda or cuda:N (torch "
+            f"{torch.__version__} sees {torch.cuda.device_count()} CUDA device(s))")
+    if "RANK" in os.environ:
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
+                                device_id=torch.device(device) if device.startswith("cuda") else None)
+    return device
 
 
 def autocast_dtype(dtype_arg, device_type, width=768):
@@ -1490,8 +1361,7 @@ def autocast_dtype(dtype_arg, device_type, width=768):
     if dist.is_initialized():
         dist.broadcast(use_bf16, 0)  # every rank takes rank 0's pick: ranks must train in one dtype
     dtype = torch.bfloat16 if use_bf16 else torch.float32
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"dtype auto: {str(dtype)[6:]} (bf16 matmul {bf16:.3f} TFLOP/s vs fp32 {fp32:.3f})", file=sys.stderr)
+    print0(f"dtype auto: {str(dtype)[6:]} (bf16 matmul {bf16:.3f} TFLOP/s vs fp32 {fp32:.3f})", file=sys.stderr)
     return dtype
 
 
@@ -1517,9 +1387,7 @@ def use_compile(compile_arg, device_type):
 
 
 def autocast_context(device_type, dtype):
-    if dtype == torch.float32:
-        return nullcontext()
-    return torch.autocast(device_type=device_type, dtype=dtype)
+    return nullcontext() if dtype == torch.float32 else torch.autocast(device_type=device_type, dtype=dtype)
 # ---- end shared: distributed ----
 
 
@@ -1598,29 +1466,38 @@ def get_tokenizer(special_tokens=None):
 
 
 # ---- shared: progress ----
-def progress(iterable, desc, enabled=True):
-    """A tqdm bar on stderr for a loop that takes a while (an eval): shown after 2 s, and never when stderr is not
-    a terminal (logs, CI), as prepare_fineweb.py does."""
+def progress(iterable, desc):
+    """A tqdm bar on stderr for a loop that takes a while (an eval), on rank 0: shown after 2 s, and never when
+    stderr is not a terminal (logs, CI), as prepare_fineweb.py does."""
     from tqdm import tqdm
-    return tqdm(iterable, desc=desc, leave=False, delay=2, disable=None if enabled else True)
+    return tqdm(iterable, desc=desc, leave=False, delay=2, disable=None if master_process else True)
 # ---- end shared: progress ----
 
 
 # ---- shared: files ----
 def prepare_out_dir(path, flag, lock=True):
-    """Create an output folder, check that it can be written and (lock) that no live run writes into it, before any
+    """Create an output folder and (lock) take its .lock, refusing a folder that a live run writes into, before any
     work starts. Then remove the *.tmp of a killed save: finished files are renamed from them, never the only copy."""
+    import errno
+    import fcntl
+    import socket
     try:
         os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".write_check_{os.getpid()}")
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
+        fd = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT, 0o644) if lock else None
     except OSError as e:
-        die(f"{flag} {path} cannot be created or written ({e.strerror or type(e).__name__}); "
-            f"give another folder or fix its permissions")
-    if lock:  # before the .tmp files go: a live run's .tmp is its save in progress
-        lock_out_dir(path, flag)
+        die(f"{flag} {path} cannot be created or written ({e.strerror}); give another folder or fix its permissions")
+    if lock:  # a POSIX lock is the kernel's: it goes with its process (SIGKILL, a crash); the fd stays open till then
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+        except OSError as e:
+            if e.errno in (errno.EACCES, errno.EAGAIN):  # held: before the .tmp files go, a live run's save
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a run that is starting"
+                die(f"{flag} {path} is in use by a running run ({holder}); wait for it to end or stop it, "
+                    f"or give another {flag}")
+            print(f"{flag} {path}: this file system cannot lock files ({e.strerror}); a second run into it is not "
+                  f"refused", file=sys.stderr)  # ENOLCK & co: some network file systems
     stale = [f for f in sorted(glob.glob(os.path.join(path, "*.tmp"))) if os.path.isfile(f)]
     for f in stale:
         os.remove(f)
@@ -1629,101 +1506,54 @@ def prepare_out_dir(path, flag, lock=True):
               f"{', '.join(os.path.basename(f) for f in stale)}")
 
 
-held_locks = []  # this process's out_dir locks, open for its whole life: the kernel frees them when it ends
-
-
-def lock_out_dir(path, flag):
-    """Take path/.lock, or refuse the folder with one line naming the live run (pid, host) that holds it."""
-    import errno
-    import fcntl
-    import socket
+def write_file(path, write, fix):
+    """Write a file whole or not at all: write(f) into path.tmp, fsync it, rename it over path (after a crash there
+    is the old file or the new one, never a part). A failed write (a full disk, a quota) is one line naming the file,
+    the cause and the fix; its .tmp goes."""
     try:
-        fd = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:  # a folder or someone else's read-only file in its place
-        die(f"{flag} {path}: its lock file .lock cannot be opened ({e.strerror}); remove {path}/.lock if no run "
-            f"is using the folder, or give another {flag}")
-    try:  # a POSIX lock is the kernel's: it goes with its process (SIGKILL, a crash), and forked workers lack it
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        if e.errno not in (errno.EACCES, errno.EAGAIN):  # ENOLCK & co: a file system without working locks
-            os.close(fd)
-            print(f"{flag} {path}: this file system cannot lock files ({e.strerror}); a second run into it is not "
-                  f"refused", file=sys.stderr)
-            return
-        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a run that is starting"
-        os.close(fd)
-        die(f"{flag} {path} is in use by a running run ({holder}); wait for it to end or stop it, "
-            f"or give another {flag}")
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
-    held_locks.append(fd)
-
-
-def write_failed(path, error, fix):
-    """A failed write (full disk, quota, read-only mount) is one line naming the file and the cause; its .tmp goes.
-    error: the OSError, or one it caused (torch.save's RuntimeError); anything else is raised again, as a bug."""
-    cause = next((e for e in (error, error.__cause__, error.__context__) if isinstance(e, OSError)), None)
-    if cause is None:
-        raise error
-    try:
-        os.remove(path + ".tmp")
-    except OSError:
-        pass
-    die(f"cannot write {path} ({cause.strerror or type(cause).__name__}); {fix}")
-
-
-def fsync_file(f):
-    """Flush an open file to the disk itself, before it is renamed into place."""
-    f.flush()
-    os.fsync(f.fileno())
-
-
-def rename_synced(tmp_path, path):
-    """Rename a written and fsynced temp file into place, then fsync the folder so that the rename is on disk too:
-    after a machine crash there is the old file or the new one, never a renamed but empty one."""
-    os.replace(tmp_path, path)
-    try:
-        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:  # some filesystems cannot fsync a folder; the file itself is on disk already
-        pass
+        with open(path + ".tmp", "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError raised from the OSError
+        cause = next((c for c in (e, e.__cause__, e.__context__) if isinstance(c, OSError)), e)
+        if os.path.exists(path + ".tmp"):
+            os.remove(path + ".tmp")
+        die(f"cannot write {path} ({getattr(cause, 'strerror', None) or cause}); {fix}")
 # ---- end shared: files ----
 
 
 # ---- shared: cli ----
+# this process's place among those torchrun started (the same whole run without it: rank 0 of 1)
+rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+master_process = rank == 0  # rank 0 prints, logs and writes checkpoints
+
+
+def print0(*args, **kwargs):
+    if master_process:
+        print(*args, **kwargs)
+
+
 def die(message):
-    """Bad input: one line naming the problem and the fix, exit code 2, no traceback."""
+    """Bad input or a run-time fault: one line naming the problem and the fix, exit code 2, no traceback."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
 
 
-class HelpFormatter(argparse.HelpFormatter):
-    """--help shows every flag's default, except where there is none (None, a switch's False) or the help says it."""
-
-    def _get_help_string(self, action):
-        if action.default in (None, False, argparse.SUPPRESS) or "default" in action.help:
-            return action.help
-        return action.help + (" (default: %(default)r)" if isinstance(action.default, str) else " (default: %(default)s)")
-
-
-def ranged(kind, low=None, high=None, low_open=False, high_open=False):
-    """An argparse type: a `kind` (int or float) in [low, high], the ends left out with low_open / high_open. A bad
+def ranged(kind, low, high=float("inf"), low_open=False, high_open=False):
+    """An argparse type: a `kind` (int or float) in [low, high], an end left out with low_open / high_open. A bad
     value is then a one-line error at parse time that names the flag and the range, e.g. `argument --lr: ...`."""
-    name = "an integer" if kind is int else "a number"
-    bounds = " and ".join(([f"> {low}" if low_open else f">= {low}"] if low is not None else [])
-                          + ([f"< {high}" if high_open else f"<= {high}"] if high is not None else []))
+    bounds = f"{'>' if low_open else '>='} {low}" + (f" and {'<' if high_open else '<='} {high}" if high < float("inf") else "")
 
     def parse(text):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {name}; give {name} {bounds}".rstrip())
-        if not abs(value) < float("inf") or (low is not None and (value <= low if low_open else value < low)) \
-                or (high is not None and (value >= high if high_open else value > high)):
-            raise argparse.ArgumentTypeError(f"{text} is out of range; give {name} {bounds}")
+            value = float("nan")
+        if not (low < value if low_open else low <= value) or not (value < high if high_open else value <= high) \
+                or value == float("inf"):  # nan fails every comparison
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'} {bounds}")
         return value
     return parse
 

@@ -20,7 +20,6 @@ import os
 import random
 import re
 import signal
-import socket
 import sys
 import sysconfig
 import time
@@ -34,8 +33,8 @@ SHARD_MAGIC, SHARD_VERSION = 20240520, 1
 
 def get_args(argv=None):
     p = argparse.ArgumentParser(description="Tokenize FineWeb(-Edu) or local text into llm.c .bin token shards.",
-                                formatter_class=HelpFormatter)
-    p.error = lambda message: die(message)
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.error = die
     p.add_argument("--dataset", default="fineweb-edu", choices=list(HUB_DATASETS), help="hub dataset to stream")
     p.add_argument("--sample", default="10BT", choices=["10BT", "100BT", "350BT"], help="which sample of it")
     p.add_argument("--hf_dataset", help="any `datasets` name or local folder to stream instead (split train)")
@@ -47,7 +46,7 @@ def get_args(argv=None):
                    help="tokens per shard (at most 2^31 - 1, the header's int32 count)")
     p.add_argument("--max_shards", type=nonneg_int, default=0, help="stop after this many shards in all (0: whole source)")
     p.add_argument("--workers", type=ranged(int, 1, 1024), default=os.cpu_count(),
-                   help="tokenizer processes (default: all cores)")
+                   help="tokenizer processes, one a core")
     p.add_argument("--demo", action="store_true",
                    help="tokenize the Python standard library's docstrings and reference topics into data/demo "
                         "(offline, for train_gpt2.py --demo)")
@@ -138,20 +137,12 @@ def hub_documents(args):
         dataset = datasets.load_dataset(args.hf_dataset, split="train", streaming=True)
     else:
         name = args.hf_dataset or HUB_DATASETS[args.dataset]
-        if os.environ.get("HF_HUB_OFFLINE") == "1" or not hub_reachable():
+        if not hub_reachable():
             die(f"cannot reach the Hugging Face hub to stream {name}; offline, give local files with --input")
         config = None if args.hf_dataset else f"sample-{args.sample}"
         dataset = datasets.load_dataset(name, name=config, split="train", streaming=True)
     for i, row in enumerate(dataset):
         yield row_text(row, args.text_field, f"row {i} of {args.hf_dataset or args.dataset}")
-
-
-def hub_reachable(timeout=5):
-    try:
-        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
 
 
 def demo_files():
@@ -234,24 +225,11 @@ RESUME_FIX = "free space (or give another --out_dir), then run the same command 
 def write_shard(path, tokens):
     header = np.zeros(256, dtype=np.int32)
     header[:3] = SHARD_MAGIC, SHARD_VERSION, len(tokens)
-    try:
-        with open(path + ".tmp", "wb") as f:
-            f.write(header.tobytes())
-            f.write(tokens.tobytes())
-            fsync_file(f)
-        rename_synced(path + ".tmp", path)
-    except OSError as e:
-        write_failed(path, e, RESUME_FIX)
+    write_file(path, lambda f: f.writelines([header.tobytes(), tokens.tobytes()]), RESUME_FIX)
 
 
 def write_manifest(path, manifest):
-    try:
-        with open(path + ".tmp", "w") as f:
-            json.dump(manifest, f, indent=1)
-            fsync_file(f)
-        rename_synced(path + ".tmp", path)
-    except OSError as e:
-        write_failed(path, e, RESUME_FIX)
+    write_file(path, lambda f: f.write(json.dumps(manifest, indent=1).encode()), RESUME_FIX)
 
 
 def read_manifest(path):
@@ -402,36 +380,35 @@ def main(argv=None):
 
 
 # ---- shared: cli ----
+# this process's place among those torchrun started (the same whole run without it: rank 0 of 1)
+rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+master_process = rank == 0  # rank 0 prints, logs and writes checkpoints
+
+
+def print0(*args, **kwargs):
+    if master_process:
+        print(*args, **kwargs)
+
+
 def die(message):
-    """Bad input: one line naming the problem and the fix, exit code 2, no traceback."""
+    """Bad input or a run-time fault: one line naming the problem and the fix, exit code 2, no traceback."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
 
 
-class HelpFormatter(argparse.HelpFormatter):
-    """--help shows every flag's default, except where there is none (None, a switch's False) or the help says it."""
-
-    def _get_help_string(self, action):
-        if action.default in (None, False, argparse.SUPPRESS) or "default" in action.help:
-            return action.help
-        return action.help + (" (default: %(default)r)" if isinstance(action.default, str) else " (default: %(default)s)")
-
-
-def ranged(kind, low=None, high=None, low_open=False, high_open=False):
-    """An argparse type: a `kind` (int or float) in [low, high], the ends left out with low_open / high_open. A bad
+def ranged(kind, low, high=float("inf"), low_open=False, high_open=False):
+    """An argparse type: a `kind` (int or float) in [low, high], an end left out with low_open / high_open. A bad
     value is then a one-line error at parse time that names the flag and the range, e.g. `argument --lr: ...`."""
-    name = "an integer" if kind is int else "a number"
-    bounds = " and ".join(([f"> {low}" if low_open else f">= {low}"] if low is not None else [])
-                          + ([f"< {high}" if high_open else f"<= {high}"] if high is not None else []))
+    bounds = f"{'>' if low_open else '>='} {low}" + (f" and {'<' if high_open else '<='} {high}" if high < float("inf") else "")
 
     def parse(text):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {name}; give {name} {bounds}".rstrip())
-        if not abs(value) < float("inf") or (low is not None and (value <= low if low_open else value < low)) \
-                or (high is not None and (value >= high if high_open else value > high)):
-            raise argparse.ArgumentTypeError(f"{text} is out of range; give {name} {bounds}")
+            value = float("nan")
+        if not (low < value if low_open else low <= value) or not (value < high if high_open else value <= high) \
+                or value == float("inf"):  # nan fails every comparison
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'} {bounds}")
         return value
     return parse
 
@@ -446,19 +423,28 @@ seed_int = ranged(int, 0, 2**32 - 1)  # what every RNG we seed takes
 
 # ---- shared: files ----
 def prepare_out_dir(path, flag, lock=True):
-    """Create an output folder, check that it can be written and (lock) that no live run writes into it, before any
+    """Create an output folder and (lock) take its .lock, refusing a folder that a live run writes into, before any
     work starts. Then remove the *.tmp of a killed save: finished files are renamed from them, never the only copy."""
+    import errno
+    import fcntl
+    import socket
     try:
         os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".write_check_{os.getpid()}")
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
+        fd = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT, 0o644) if lock else None
     except OSError as e:
-        die(f"{flag} {path} cannot be created or written ({e.strerror or type(e).__name__}); "
-            f"give another folder or fix its permissions")
-    if lock:  # before the .tmp files go: a live run's .tmp is its save in progress
-        lock_out_dir(path, flag)
+        die(f"{flag} {path} cannot be created or written ({e.strerror}); give another folder or fix its permissions")
+    if lock:  # a POSIX lock is the kernel's: it goes with its process (SIGKILL, a crash); the fd stays open till then
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+        except OSError as e:
+            if e.errno in (errno.EACCES, errno.EAGAIN):  # held: before the .tmp files go, a live run's save
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a run that is starting"
+                die(f"{flag} {path} is in use by a running run ({holder}); wait for it to end or stop it, "
+                    f"or give another {flag}")
+            print(f"{flag} {path}: this file system cannot lock files ({e.strerror}); a second run into it is not "
+                  f"refused", file=sys.stderr)  # ENOLCK & co: some network file systems
     stale = [f for f in sorted(glob.glob(os.path.join(path, "*.tmp"))) if os.path.isfile(f)]
     for f in stale:
         os.remove(f)
@@ -467,68 +453,39 @@ def prepare_out_dir(path, flag, lock=True):
               f"{', '.join(os.path.basename(f) for f in stale)}")
 
 
-held_locks = []  # this process's out_dir locks, open for its whole life: the kernel frees them when it ends
-
-
-def lock_out_dir(path, flag):
-    """Take path/.lock, or refuse the folder with one line naming the live run (pid, host) that holds it."""
-    import errno
-    import fcntl
-    import socket
+def write_file(path, write, fix):
+    """Write a file whole or not at all: write(f) into path.tmp, fsync it, rename it over path (after a crash there
+    is the old file or the new one, never a part). A failed write (a full disk, a quota) is one line naming the file,
+    the cause and the fix; its .tmp goes."""
     try:
-        fd = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:  # a folder or someone else's read-only file in its place
-        die(f"{flag} {path}: its lock file .lock cannot be opened ({e.strerror}); remove {path}/.lock if no run "
-            f"is using the folder, or give another {flag}")
-    try:  # a POSIX lock is the kernel's: it goes with its process (SIGKILL, a crash), and forked workers lack it
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        if e.errno not in (errno.EACCES, errno.EAGAIN):  # ENOLCK & co: a file system without working locks
-            os.close(fd)
-            print(f"{flag} {path}: this file system cannot lock files ({e.strerror}); a second run into it is not "
-                  f"refused", file=sys.stderr)
-            return
-        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a run that is starting"
-        os.close(fd)
-        die(f"{flag} {path} is in use by a running run ({holder}); wait for it to end or stop it, "
-            f"or give another {flag}")
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
-    held_locks.append(fd)
-
-
-def write_failed(path, error, fix):
-    """A failed write (full disk, quota, read-only mount) is one line naming the file and the cause; its .tmp goes.
-    error: the OSError, or one it caused (torch.save's RuntimeError); anything else is raised again, as a bug."""
-    cause = next((e for e in (error, error.__cause__, error.__context__) if isinstance(e, OSError)), None)
-    if cause is None:
-        raise error
-    try:
-        os.remove(path + ".tmp")
-    except OSError:
-        pass
-    die(f"cannot write {path} ({cause.strerror or type(cause).__name__}); {fix}")
-
-
-def fsync_file(f):
-    """Flush an open file to the disk itself, before it is renamed into place."""
-    f.flush()
-    os.fsync(f.fileno())
-
-
-def rename_synced(tmp_path, path):
-    """Rename a written and fsynced temp file into place, then fsync the folder so that the rename is on disk too:
-    after a machine crash there is the old file or the new one, never a renamed but empty one."""
-    os.replace(tmp_path, path)
-    try:
-        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:  # some filesystems cannot fsync a folder; the file itself is on disk already
-        pass
+        with open(path + ".tmp", "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError raised from the OSError
+        cause = next((c for c in (e, e.__cause__, e.__context__) if isinstance(c, OSError)), e)
+        if os.path.exists(path + ".tmp"):
+            os.remove(path + ".tmp")
+        die(f"cannot write {path} ({getattr(cause, 'strerror', None) or cause}); {fix}")
 # ---- end shared: files ----
+
+
+# ---- shared: hub ----
+def hub_reachable(timeout=3):
+    """Whether the Hugging Face hub (HF_ENDPOINT where a mirror is set) answers a quick probe, HF_HUB_OFFLINE unset:
+    offline, the libraries retry it for a while, a line on stderr each time, before they fail."""
+    import socket
+    from urllib.parse import urlparse
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+            return False
+        socket.create_connection((url.hostname, url.port or (80 if url.scheme == "http" else 443)), timeout).close()
+        return True
+    except (OSError, ValueError):
+        return False
+# ---- end shared: hub ----
 
 
 # ---- shared: tokenizer ----

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 def get_args(argv=None):
     p = argparse.ArgumentParser(description="Sample from a GPT-2 checkpoint, or chat with a midtrained one.",
-                                formatter_class=HelpFormatter)
-    p.error = lambda message: die(message)
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.error = die
     p.add_argument("--ckpt", help="checkpoint file, or an out_dir (its newest checkpoint)")
     p.add_argument("--hf", choices=list(MODEL_SIZES), help="OpenAI's GPT-2 weights through transformers instead")
     p.add_argument("--prompt", help="prompt text (default: read stdin if it is piped, else start from <|endoftext|>)")
@@ -104,7 +104,7 @@ def chat(enc, generate_from):
 
 def main(argv=None):
     args = get_args(argv)
-    _, _, _, device = init_distributed(args.device)
+    device = init_distributed(args.device)
     device_type = device.split(":")[0]
     try:  # the prompt first: a bad one fails before the model loads
         if args.chat:
@@ -121,7 +121,7 @@ def main(argv=None):
     on_out_of_memory("sampling runs one sequence at a time: give --cast_weights --dtype bfloat16 (weights in bf16), "
                      "or --device cpu")
     if args.hf:
-        model, kind = GPT.from_pretrained(args.hf), "base"
+        model, kind = gpt_from_pretrained(args.hf), "base"
     else:
         checkpoint, path = load_checkpoint(args.ckpt)
         model, kind = model_from_checkpoint(checkpoint), checkpoint.get("kind", "base")
@@ -168,36 +168,35 @@ def main(argv=None):
 
 
 # ---- shared: cli ----
+# this process's place among those torchrun started (the same whole run without it: rank 0 of 1)
+rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+master_process = rank == 0  # rank 0 prints, logs and writes checkpoints
+
+
+def print0(*args, **kwargs):
+    if master_process:
+        print(*args, **kwargs)
+
+
 def die(message):
-    """Bad input: one line naming the problem and the fix, exit code 2, no traceback."""
+    """Bad input or a run-time fault: one line naming the problem and the fix, exit code 2, no traceback."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
 
 
-class HelpFormatter(argparse.HelpFormatter):
-    """--help shows every flag's default, except where there is none (None, a switch's False) or the help says it."""
-
-    def _get_help_string(self, action):
-        if action.default in (None, False, argparse.SUPPRESS) or "default" in action.help:
-            return action.help
-        return action.help + (" (default: %(default)r)" if isinstance(action.default, str) else " (default: %(default)s)")
-
-
-def ranged(kind, low=None, high=None, low_open=False, high_open=False):
-    """An argparse type: a `kind` (int or float) in [low, high], the ends left out with low_open / high_open. A bad
+def ranged(kind, low, high=float("inf"), low_open=False, high_open=False):
+    """An argparse type: a `kind` (int or float) in [low, high], an end left out with low_open / high_open. A bad
     value is then a one-line error at parse time that names the flag and the range, e.g. `argument --lr: ...`."""
-    name = "an integer" if kind is int else "a number"
-    bounds = " and ".join(([f"> {low}" if low_open else f">= {low}"] if low is not None else [])
-                          + ([f"< {high}" if high_open else f"<= {high}"] if high is not None else []))
+    bounds = f"{'>' if low_open else '>='} {low}" + (f" and {'<' if high_open else '<='} {high}" if high < float("inf") else "")
 
     def parse(text):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {name}; give {name} {bounds}".rstrip())
-        if not abs(value) < float("inf") or (low is not None and (value <= low if low_open else value < low)) \
-                or (high is not None and (value >= high if high_open else value > high)):
-            raise argparse.ArgumentTypeError(f"{text} is out of range; give {name} {bounds}")
+            value = float("nan")
+        if not (low < value if low_open else low <= value) or not (value < high if high_open else value <= high) \
+                or value == float("inf"):  # nan fails every comparison
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'} {bounds}")
         return value
     return parse
 
@@ -290,18 +289,15 @@ class KVCache:
     """Keys and values of the tokens seen so far, for generation: the prompt is run once, then one token a step."""
 
     def __init__(self, n_layer, max_len):
-        self.n_layer, self.max_len = n_layer, max_len
-        self.k = self.v = None
-        self.pos = 0  # tokens in the cache
+        self.n_layer, self.max_len, self.pos = n_layer, max_len, 0  # pos: tokens in the cache
+        self.k = self.v = None  # allocated on first use, in the dtype attention runs in (autocast's)
 
     def store(self, layer, k, v):
-        if self.k is None:  # allocated on first use, in the dtype attention runs in (autocast's)
-            B, H, _, D = k.shape
-            self.k = k.new_zeros(self.n_layer, B, H, self.max_len, D)
+        if self.k is None:
+            self.k = k.new_zeros(self.n_layer, *k.shape[:2], self.max_len, k.size(3))  # (layer, B, head, pos, dim)
             self.v = torch.zeros_like(self.k)
         end = self.pos + k.size(2)
-        self.k[layer, :, :, self.pos:end] = k
-        self.v[layer, :, :, self.pos:end] = v
+        self.k[layer, :, :, self.pos:end], self.v[layer, :, :, self.pos:end] = k, v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
 
@@ -318,17 +314,12 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        if kv_cache is None or kv_cache.pos == 0:
-            if kv_cache is not None:
-                kv_cache.store(self.layer, k, v)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # flash attention where available
-        else:
+        if kv_cache is not None:
             k, v = kv_cache.store(self.layer, k, v)
-            # the new queries see every cached key and, among themselves, only the earlier ones
-            mask = torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(diagonal=k.size(2) - T)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.c_proj(y)
+        # new queries after cached keys see all of those and, among themselves, only the earlier ones
+        mask = None if k.size(2) == T else torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(k.size(2) - T)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)  # flash attention if it can
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
 class MLP(nn.Module):
@@ -385,111 +376,93 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None, kv_cache=None, reduction="mean"):
         """Logits for every position; with targets (-1 where ignored), also the cross-entropy loss over the targets:
         their mean, or with reduction="sum" their sum (0 where there are none), which training divides itself."""
-        B, T = idx.size()
-        start = kv_cache.pos if kv_cache is not None else 0
+        start, T = kv_cache.pos if kv_cache is not None else 0, idx.size(1)
         assert start + T <= self.config.block_size, f"sequence of {start + T} is past the context {self.config.block_size}"
-        pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(start, start + T, device=idx.device))
         for block in self.transformer.h:
             x = block(x, kv_cache)
         logits = self.lm_head(self.transformer.ln_f(x))
         if kv_cache is not None:
             kv_cache.pos += T
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1,
-                                   reduction=reduction)
+        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
+                                                            ignore_index=-1, reduction=reduction)
         return logits, loss
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
-
-    def flops_per_token(self, seq_len):
-        """Training FLOPs per token: 6N for the weight matmuls plus attention's 12 * L * d * T (PaLM, app. B)."""
-        n = self.num_params() - self.transformer.wpe.weight.numel()  # position lookups do no matmul
-        return 6 * n + 12 * self.config.n_layer * self.config.n_embd * seq_len
-
-    def load_hf_state_dict(self, hf_state):
-        """Copy weights from transformers' GPT2LMHeadModel, whose Conv1D layers store weights transposed."""
-        transposed = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-        state = self.state_dict()
-        with torch.no_grad():
-            for name, value in hf_state.items():
-                if name.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers, not weights
-                    continue
-                value = value.t() if name.endswith(transposed) else value
-                if name in ("transformer.wte.weight", "lm_head.weight"):
-                    # the padding rows start at the mean embedding, so they take almost no probability
-                    state[name][: value.size(0)].copy_(value)
-                    state[name][value.size(0):].copy_(value.mean(0))
-                else:
-                    state[name].copy_(value)
-
-    @classmethod
-    def from_pretrained(cls, model_type):
-        try:
-            from transformers import GPT2LMHeadModel
-        except ImportError:
-            die(f"loading {model_type} needs transformers: pip install transformers")
-        try:  # the cache first: offline, transformers would retry the hub for ~20 s before failing
-            hf_model = GPT2LMHeadModel.from_pretrained(model_type, local_files_only=True)
-        except OSError:
-            if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") or not hub_reachable():
-                die(f"OpenAI's {model_type} weights are not in the Hugging Face cache and the hub cannot be reached; "
-                    f"go online once to download them")
-            try:
-                hf_model = GPT2LMHeadModel.from_pretrained(model_type)
-            except OSError as e:
-                die(f"could not load OpenAI's {model_type} weights ({str(e).splitlines()[0]}); go online once to cache them")
-        model = cls(GPTConfig(**MODEL_SIZES[model_type]))
-        model.load_hf_state_dict(hf_model.state_dict())
-        return model
+# ---- end shared: model ----
 
 
+# ---- shared: pretrained ----
+def gpt_from_pretrained(model_type):
+    """OpenAI's GPT-2 through transformers, from the Hugging Face cache or the hub (which offline fails at once)."""
+    try:
+        from transformers import GPT2LMHeadModel
+    except ImportError:
+        die(f"loading {model_type} needs transformers: pip install transformers")
+    try:  # the cache first, then the hub if it answers
+        hf_model = GPT2LMHeadModel.from_pretrained(model_type, local_files_only=True)
+    except OSError:
+        if not hub_reachable():
+            die(f"OpenAI's {model_type} weights are not in the Hugging Face cache and the hub cannot be reached; "
+                f"go online once to download them")
+        hf_model = GPT2LMHeadModel.from_pretrained(model_type)
+    model = GPT(GPTConfig(**MODEL_SIZES[model_type]))
+    load_hf_state_dict(model, hf_model.state_dict())
+    return model
+
+
+def load_hf_state_dict(model, hf_state):
+    """Copy weights from transformers' GPT2LMHeadModel, whose Conv1D layers store weights transposed."""
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, value in hf_state.items():
+            if name.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers, not weights
+                continue
+            value = value.t() if name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")) else value
+            state[name][: value.size(0)].copy_(value)
+            # the padding rows of the embedding start at the mean embedding: they take almost no probability
+            state[name][value.size(0):].copy_(value.mean(0))
+# ---- end shared: pretrained ----
+
+
+# ---- shared: hub ----
 def hub_reachable(timeout=3):
-    """A quick probe of the Hugging Face hub (HF_ENDPOINT where a mirror is set), so that offline fails at once."""
+    """Whether the Hugging Face hub (HF_ENDPOINT where a mirror is set) answers a quick probe, HF_HUB_OFFLINE unset:
+    offline, the libraries retry it for a while, a line on stderr each time, before they fail."""
     import socket
     from urllib.parse import urlparse
     url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     try:
+        if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+            return False
         socket.create_connection((url.hostname, url.port or (80 if url.scheme == "http" else 443)), timeout).close()
         return True
     except (OSError, ValueError):
         return False
-# ---- end shared: model ----
+# ---- end shared: hub ----
 
 
 # ---- shared: distributed ----
-def init_distributed(device_arg="auto"):
-    """DDP from torchrun's environment (NCCL on CUDA, gloo elsewhere), or a single process.
-    Returns (rank, local_rank, world_size, device)."""
-    if device_arg == "auto":
-        device_arg = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    check_device(device_arg)
-    if "RANK" not in os.environ:
-        return 0, 0, 1, device_arg
-    rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-    if device_arg.startswith("cuda"):
-        device_arg = f"cuda:{local_rank}"
-        check_device(device_arg)
-        torch.cuda.set_device(device_arg)
-        dist.init_process_group("nccl", device_id=torch.device(device_arg))
-    else:
-        dist.init_process_group("gloo")
-    return rank, local_rank, world_size, device_arg
-
-
-def check_device(device):
-    """A one-line error for a device this machine does not have, or a name torch would not take."""
-    kind, _, index = device.partition(":")
-    if kind not in ("cuda", "mps", "cpu") or (index and (kind != "cuda" or not index.isdigit())):
-        die(f"--device {device} is not a device name; give auto, cpu, mps, cuda or cuda:N")
-    if kind == "cuda" and not torch.cuda.is_available():
-        die(f"--device {device}: CUDA is not available here (torch {torch.__version__}); use --device cpu (or auto)")
-    if kind == "cuda" and index and int(index) >= torch.cuda.device_count():
-        die(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), numbered from 0")
-    if kind == "mps" and not torch.backends.mps.is_available():
-        die("--device mps: MPS (Apple GPU) is not available here; use --device cpu (or auto)")
+def init_distributed(device="auto"):
+    """The device, checked; and under torchrun the process group (NCCL on CUDA, gloo elsewhere), a GPU a process."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if device.startswith("cuda") and world_size > 1:
+        device = f"cuda:{os.environ['LOCAL_RANK']}"  # set before NCCL starts, which uses the current device
+    try:  # a device this machine lacks, or a name torch does not take, fails here
+        if device.split(":")[0] not in ("cuda", "mps", "cpu"):
+            raise ValueError("not a device name")
+        if device.startswith("cuda"):
+            torch.cuda.set_device(device)
+        torch.empty(0, device=device)
+    except Exception as e:
+        die(f"--device {device}: {str(e).splitlines()[0]}; give auto, cpu, mps, cuda or cuda:N (torch "
+            f"{torch.__version__} sees {torch.cuda.device_count()} CUDA device(s))")
+    if "RANK" in os.environ:
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
+                                device_id=torch.device(device) if device.startswith("cuda") else None)
+    return device
 
 
 def autocast_dtype(dtype_arg, device_type, width=768):
@@ -506,8 +479,7 @@ def autocast_dtype(dtype_arg, device_type, width=768):
     if dist.is_initialized():
         dist.broadcast(use_bf16, 0)  # every rank takes rank 0's pick: ranks must train in one dtype
     dtype = torch.bfloat16 if use_bf16 else torch.float32
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"dtype auto: {str(dtype)[6:]} (bf16 matmul {bf16:.3f} TFLOP/s vs fp32 {fp32:.3f})", file=sys.stderr)
+    print0(f"dtype auto: {str(dtype)[6:]} (bf16 matmul {bf16:.3f} TFLOP/s vs fp32 {fp32:.3f})", file=sys.stderr)
     return dtype
 
 
@@ -533,54 +505,35 @@ def use_compile(compile_arg, device_type):
 
 
 def autocast_context(device_type, dtype):
-    if dtype == torch.float32:
-        return nullcontext()
-    return torch.autocast(device_type=device_type, dtype=dtype)
+    return nullcontext() if dtype == torch.float32 else torch.autocast(device_type=device_type, dtype=dtype)
 # ---- end shared: distributed ----
 
 
 # ---- shared: memory ----
 memory_advice = "lower the batch size"  # what to lower when memory runs out; main() names its batch once it knows it
-MEMORY_PHASES = {"train_step": "a training step", "evaluate_val_loss": "the val loss eval", "evaluate_val": "the val eval",
-                 "generate": "sampling", "evaluate_hellaswag": "the HellaSwag eval"}  # where, by the function that ran out
 
 
 def on_out_of_memory(advice):
-    """Set the advice of the out-of-memory line: the batch that failed and what to lower."""
+    """Set the advice of the out-of-memory line: the batch that failed, and what to lower."""
     global memory_advice
     memory_advice = advice
 
 
-def is_out_of_memory(e):
-    """torch.OutOfMemoryError (CUDA, MPS), or a failed CPU allocation, which torch reports as a RuntimeError."""
-    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or (isinstance(e, RuntimeError) and any(
-        text in str(e) for text in ("can't allocate memory", "not enough memory", "out of memory")))
-
-
 def exit_on_out_of_memory(main):
-    """Run main(); running out of memory anywhere in it is one line naming where and what to lower, exit 2, once the
-    memory is given back (the frames that held the tensors are gone when the error has left main())."""
+    """Run main(); running out of memory anywhere in it is one line saying what to lower, exit 2, once the memory is
+    given back (the frames that held the tensors are gone when the error has left main())."""
     try:
         return main()
-    except Exception as e:
-        if not is_out_of_memory(e):
+    except Exception as e:  # torch reports a failed CPU allocation as a RuntimeError
+        if not isinstance(e, (MemoryError, torch.OutOfMemoryError)) and not any(
+                text in str(e) for text in ("can't allocate memory", "not enough memory", "out of memory")):
             raise
-        import traceback  # where: the outermost of our functions that was running
-        phase = next((MEMORY_PHASES[frame.f_code.co_name] for frame, _ in traceback.walk_tb(e.__traceback__)
-                      if frame.f_code.co_name in MEMORY_PHASES), None)
         memory = "GPU" if isinstance(e, torch.OutOfMemoryError) or "CUDA" in str(e) else "CPU"
     import gc
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    die(f"out of {memory} memory{f' in {phase}' if phase else ''}: {memory_advice}")
-
-
-def micro_batch_advice(B, T, total_batch_size):
-    """The advice of the training scripts: the micro-batch that failed, and what to lower."""
-    return (f"the micro-batch is --micro_batch_size {B} x --seq_len {T}; lower --micro_batch_size (gradient "
-            f"accumulation keeps --total_batch_size {total_batch_size}); if 1 does not fit, the model and its "
-            f"optimizer state do not: a smaller model, or --fsdp over several GPUs")
+    die(f"out of {memory} memory: {memory_advice}")
 # ---- end shared: memory ----
 
 
@@ -588,46 +541,27 @@ def micro_batch_advice(B, T, total_batch_size):
 CHECKPOINT_GLOB = "ckpt_*.pt"
 
 
-def find_checkpoint(path):
-    """The checkpoint file itself, or the newest checkpoint in a folder; None if there is none."""
-    if os.path.isfile(path):
-        return path
-    found = sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)))
-    return found[-1] if found else None
-
-
-def read_checkpoint(path, device="cpu", mmap=False):
-    """(checkpoint, None), or (None, why it is not a readable checkpoint of train_gpt2.py or mid_train.py)."""
-    try:
-        checkpoint = torch.load(path, map_location=device, weights_only=True, mmap=mmap)  # mmap: tensors read lazily
-    except Exception as e:
-        return None, f"{path} is not a readable checkpoint ({type(e).__name__})"
-    if not isinstance(checkpoint, dict) or not {"model", "config"} <= checkpoint.keys():
-        return None, f"{path} is not a train_gpt2.py/mid_train.py checkpoint (no model and config in it)"
-    return checkpoint, None
-
-
 def load_checkpoint(path, device="cpu", mmap=False):
-    """Load a checkpoint file, or the newest readable one in an out_dir: an unreadable newest one (a truncated,
-    empty or foreign file) is passed over with a line. A missing or unreadable checkpoint is a one-line error."""
-    if os.path.isfile(path):
-        checkpoint, problem = read_checkpoint(path, device, mmap)
-        if problem:
-            die(f"{problem}; give one written by train_gpt2.py or mid_train.py")
-        return checkpoint, path
-    found = sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)))
-    if not found:
-        die(f"no checkpoint at {path}: give a ckpt_*.pt file or an out_dir holding one")
+    """(checkpoint, its path): a checkpoint file, or the newest readable one in an out_dir, where an unreadable newer
+    one (a truncated, empty or foreign file) is passed over with a line. None readable is a one-line error."""
+    found = [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)), reverse=True)
     problems = []
-    for candidate in reversed(found):
-        checkpoint, problem = read_checkpoint(candidate, device, mmap)
-        if not problem:
-            if problems and int(os.environ.get("RANK", 0)) == 0:
-                print(f"passing over {len(problems)} newer checkpoint(s): {'; '.join(problems)}; using {candidate}",
-                      file=sys.stderr)
-            return checkpoint, candidate
-        problems.append(problem)
-    die(f"none of the {len(found)} checkpoints in {path} is readable ({problems[0]}); give another checkpoint "
+    for candidate in found:
+        try:
+            checkpoint = torch.load(candidate, map_location=device, weights_only=True, mmap=mmap)  # mmap: read lazily
+            if isinstance(checkpoint, dict) and {"model", "config"} <= checkpoint.keys():
+                if problems:
+                    print0(f"passing over {len(problems)} newer checkpoint(s): {'; '.join(problems)}; using "
+                           f"{candidate}", file=sys.stderr)
+                return checkpoint, candidate
+            problems.append(f"{candidate} is not a train_gpt2.py/mid_train.py checkpoint (no model and config in it)")
+        except Exception as e:
+            problems.append(f"{candidate} is not a readable checkpoint ({type(e).__name__})")
+    if not found:
+        die(f"no checkpoint at {path}: give a ckpt_*.pt file or an out_dir holding one (--resume: drop it to start "
+            f"afresh)")
+    die(f"{problems[0]}; give one written by train_gpt2.py or mid_train.py" if os.path.isfile(path) else
+        f"none of the {len(found)} checkpoints in {path} is readable ({problems[0]}); give another checkpoint "
         f"(a --resume run: start afresh without --resume)")
 
 

@@ -5,12 +5,12 @@ One GPU:        python train_gpt2.py
 One node:       torchrun --standalone --nproc_per_node=8 train_gpt2.py
 Laptop / CPU:   python prepare_fineweb.py --demo && python train_gpt2.py --demo
 
-The defaults reproduce GPT-2 124M on 10B tokens of FineWeb-Edu the way build-nanogpt does.
+The defaults are build-nanogpt's GPT-2 124M run on 10B tokens of FineWeb-Edu (no GPU run of ours is measured yet).
 
-Reader's map: flags (line 37), the model (119), the data loader (310), the schedule (445), one optimizer
-step (457), main() and the training loop (501). From line 687 on, the code that supports the loop: the
-step's bookkeeping, checkpoints and resume, the log, Muon, devices and DDP/FSDP, HellaSwag, sampling, the
-tokenizer, files and flags, in blocks marked "shared" that tests/sync_shared.py copies into the other scripts.
+The file reads top-down: the flags, the model, the data loader, the schedule, one optimizer step, then main() with
+the training loop. Under the banner after main() is the code that supports the loop (the step's bookkeeping,
+checkpoints and resume, the log, Muon, devices and DDP/FSDP, HellaSwag, sampling, the tokenizer, files and flags),
+in blocks marked "shared" that tests/sync_shared.py copies into the other scripts.
 """
 
 import argparse
@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 # -----------------------------------------------------------------------------
 # flags
 
-DEMO_PRESET = dict(  # a small GPT that trains on data/demo (stdlib English, 0.4M tokens) in about 4 min on a 2-core CPU
+DEMO_PRESET = dict(  # a small GPT that trains on data/demo (stdlib English, 0.4M tokens) in minutes on a 2-core CPU
     data_dir="data/demo", out_dir="out/demo", n_layer=4, n_head=4, n_embd=256, block_size=256, seq_len=256,
     micro_batch_size=8, total_batch_size=8 * 256, max_steps=200, warmup_steps=20, lr=3e-3,
     eval_every=50, val_tokens=16384, save_every=200, sample_len=64, prompt="The",
@@ -46,14 +46,14 @@ DEMO_PRESET = dict(  # a small GPT that trains on data/demo (stdlib English, 0.4
 
 def get_args(argv=None):
     p = argparse.ArgumentParser(description="Pretrain GPT-2 on token shards (llm.c .bin or uint16 .npy).",
-                                formatter_class=HelpFormatter)
-    p.error = lambda message: die(message)  # one-line errors, exit code 2
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.error = die  # one-line errors, exit code 2
     # model
     p.add_argument("--model", default="gpt2", choices=list(MODEL_SIZES), help="model size to train from scratch")
     p.add_argument("--n_layer", type=positive_int, help="override the number of transformer blocks")
     p.add_argument("--n_head", type=positive_int, help="override the number of attention heads")
     p.add_argument("--n_embd", type=positive_int, help="override the embedding width")
-    p.add_argument("--block_size", type=positive_int, help="override the model's context length (default 1024)")
+    p.add_argument("--block_size", type=positive_int, help="override the model's context length (1024)")
     p.add_argument("--init_from", choices=list(MODEL_SIZES), help="start from OpenAI's weights (needs transformers)")
     # data
     p.add_argument("--data_dir", default="data/fineweb-edu-10BT", help="folder of [PREFIX_]train_N / val_N token shards")
@@ -110,9 +110,8 @@ def get_args(argv=None):
     if args.resume:
         args = resume_args(args, p, argv, fixed=("model", "n_layer", "n_head", "n_embd", "block_size", "init_from",
                                                  "optimizer"))
-    check_fsdp(args)
-    if not args.prompt and args.num_samples and os.environ.get("RANK", "0") == "0":
-        print("--prompt is empty: the in-loop samples start from <|endoftext|>")
+    if not args.prompt and args.num_samples:
+        print0("--prompt is empty: the in-loop samples start from <|endoftext|>")
     return args
 
 
@@ -138,18 +137,15 @@ class KVCache:
     """Keys and values of the tokens seen so far, for generation: the prompt is run once, then one token a step."""
 
     def __init__(self, n_layer, max_len):
-        self.n_layer, self.max_len = n_layer, max_len
-        self.k = self.v = None
-        self.pos = 0  # tokens in the cache
+        self.n_layer, self.max_len, self.pos = n_layer, max_len, 0  # pos: tokens in the cache
+        self.k = self.v = None  # allocated on first use, in the dtype attention runs in (autocast's)
 
     def store(self, layer, k, v):
-        if self.k is None:  # allocated on first use, in the dtype attention runs in (autocast's)
-            B, H, _, D = k.shape
-            self.k = k.new_zeros(self.n_layer, B, H, self.max_len, D)
+        if self.k is None:
+            self.k = k.new_zeros(self.n_layer, *k.shape[:2], self.max_len, k.size(3))  # (layer, B, head, pos, dim)
             self.v = torch.zeros_like(self.k)
         end = self.pos + k.size(2)
-        self.k[layer, :, :, self.pos:end] = k
-        self.v[layer, :, :, self.pos:end] = v
+        self.k[layer, :, :, self.pos:end], self.v[layer, :, :, self.pos:end] = k, v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
 
@@ -166,17 +162,12 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        if kv_cache is None or kv_cache.pos == 0:
-            if kv_cache is not None:
-                kv_cache.store(self.layer, k, v)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # flash attention where available
-        else:
+        if kv_cache is not None:
             k, v = kv_cache.store(self.layer, k, v)
-            # the new queries see every cached key and, among themselves, only the earlier ones
-            mask = torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(diagonal=k.size(2) - T)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.c_proj(y)
+        # new queries after cached keys see all of those and, among themselves, only the earlier ones
+        mask = None if k.size(2) == T else torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(k.size(2) - T)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)  # flash attention if it can
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
 class MLP(nn.Module):
@@ -233,78 +224,71 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None, kv_cache=None, reduction="mean"):
         """Logits for every position; with targets (-1 where ignored), also the cross-entropy loss over the targets:
         their mean, or with reduction="sum" their sum (0 where there are none), which training divides itself."""
-        B, T = idx.size()
-        start = kv_cache.pos if kv_cache is not None else 0
+        start, T = kv_cache.pos if kv_cache is not None else 0, idx.size(1)
         assert start + T <= self.config.block_size, f"sequence of {start + T} is past the context {self.config.block_size}"
-        pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(start, start + T, device=idx.device))
         for block in self.transformer.h:
             x = block(x, kv_cache)
         logits = self.lm_head(self.transformer.ln_f(x))
         if kv_cache is not None:
             kv_cache.pos += T
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1,
-                                   reduction=reduction)
+        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
+                                                            ignore_index=-1, reduction=reduction)
         return logits, loss
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
-
-    def flops_per_token(self, seq_len):
-        """Training FLOPs per token: 6N for the weight matmuls plus attention's 12 * L * d * T (PaLM, app. B)."""
-        n = self.num_params() - self.transformer.wpe.weight.numel()  # position lookups do no matmul
-        return 6 * n + 12 * self.config.n_layer * self.config.n_embd * seq_len
-
-    def load_hf_state_dict(self, hf_state):
-        """Copy weights from transformers' GPT2LMHeadModel, whose Conv1D layers store weights transposed."""
-        transposed = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-        state = self.state_dict()
-        with torch.no_grad():
-            for name, value in hf_state.items():
-                if name.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers, not weights
-                    continue
-                value = value.t() if name.endswith(transposed) else value
-                if name in ("transformer.wte.weight", "lm_head.weight"):
-                    # the padding rows start at the mean embedding, so they take almost no probability
-                    state[name][: value.size(0)].copy_(value)
-                    state[name][value.size(0):].copy_(value.mean(0))
-                else:
-                    state[name].copy_(value)
-
-    @classmethod
-    def from_pretrained(cls, model_type):
-        try:
-            from transformers import GPT2LMHeadModel
-        except ImportError:
-            die(f"loading {model_type} needs transformers: pip install transformers")
-        try:  # the cache first: offline, transformers would retry the hub for ~20 s before failing
-            hf_model = GPT2LMHeadModel.from_pretrained(model_type, local_files_only=True)
-        except OSError:
-            if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") or not hub_reachable():
-                die(f"OpenAI's {model_type} weights are not in the Hugging Face cache and the hub cannot be reached; "
-                    f"go online once to download them")
-            try:
-                hf_model = GPT2LMHeadModel.from_pretrained(model_type)
-            except OSError as e:
-                die(f"could not load OpenAI's {model_type} weights ({str(e).splitlines()[0]}); go online once to cache them")
-        model = cls(GPTConfig(**MODEL_SIZES[model_type]))
-        model.load_hf_state_dict(hf_model.state_dict())
-        return model
+# ---- end shared: model ----
 
 
+# ---- shared: pretrained ----
+def gpt_from_pretrained(model_type):
+    """OpenAI's GPT-2 through transformers, from the Hugging Face cache or the hub (which offline fails at once)."""
+    try:
+        from transformers import GPT2LMHeadModel
+    except ImportError:
+        die(f"loading {model_type} needs transformers: pip install transformers")
+    try:  # the cache first, then the hub if it answers
+        hf_model = GPT2LMHeadModel.from_pretrained(model_type, local_files_only=True)
+    except OSError:
+        if not hub_reachable():
+            die(f"OpenAI's {model_type} weights are not in the Hugging Face cache and the hub cannot be reached; "
+                f"go online once to download them")
+        hf_model = GPT2LMHeadModel.from_pretrained(model_type)
+    model = GPT(GPTConfig(**MODEL_SIZES[model_type]))
+    load_hf_state_dict(model, hf_model.state_dict())
+    return model
+
+
+def load_hf_state_dict(model, hf_state):
+    """Copy weights from transformers' GPT2LMHeadModel, whose Conv1D layers store weights transposed."""
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, value in hf_state.items():
+            if name.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers, not weights
+                continue
+            value = value.t() if name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")) else value
+            state[name][: value.size(0)].copy_(value)
+            # the padding rows of the embedding start at the mean embedding: they take almost no probability
+            state[name][value.size(0):].copy_(value.mean(0))
+# ---- end shared: pretrained ----
+
+
+# ---- shared: hub ----
 def hub_reachable(timeout=3):
-    """A quick probe of the Hugging Face hub (HF_ENDPOINT where a mirror is set), so that offline fails at once."""
+    """Whether the Hugging Face hub (HF_ENDPOINT where a mirror is set) answers a quick probe, HF_HUB_OFFLINE unset:
+    offline, the libraries retry it for a while, a line on stderr each time, before they fail."""
     import socket
     from urllib.parse import urlparse
     url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     try:
+        if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+            return False
         socket.create_connection((url.hostname, url.port or (80 if url.scheme == "http" else 443)), timeout).close()
         return True
     except (OSError, ValueError):
         return False
-# ---- end shared: model ----
+# ---- end shared: hub ----
 
 
 # -----------------------------------------------------------------------------
@@ -314,34 +298,19 @@ def hub_reachable(timeout=3):
 def load_shard(path):
     """A shard's tokens, memory-mapped: llm.c .bin (a 256 x int32 header: magic 20240520, version 1, token count;
     then uint16 tokens) or a 1-D uint16 .npy as build-nanogpt writes them."""
-    def bad(problem):
-        die(f"{path} {problem}; re-create it with prepare_fineweb.py")
-
-    if not os.path.isfile(path):
-        die(f"{path} is named like a shard but is not a file; move it out of the data folder")
-    if path.endswith(".npy"):
-        try:
+    try:
+        if path.endswith(".npy"):
             tokens = np.load(path, mmap_mode="r")
-        except ValueError as e:
-            bad(f"is not a readable .npy shard ({e})")
+        else:
+            header = np.fromfile(path, dtype=np.int32, count=3).tolist()
+            if len(header) < 3 or header[:2] != [20240520, 1] or header[2] < 0:
+                raise ValueError(f"its header (magic, version, token count) is {header}")
+            tokens = np.memmap(path, dtype=np.uint16, mode="r", offset=256 * 4, shape=(header[2],))
         if tokens.dtype != np.uint16 or tokens.ndim != 1:
-            bad(f"holds {tokens.dtype} of shape {tokens.shape}, not 1-D uint16 tokens")
-        return tokens
-    with open(path, "rb") as f:
-        header = f.read(256 * 4)
-    if len(header) < 256 * 4:
-        bad("is truncated (no full 1024-byte header)")
-    header = np.frombuffer(header, dtype=np.int32)
-    if header[0] != 20240520:
-        bad(f"has magic {header[0]}, not 20240520: not an llm.c token shard")
-    if header[1] != 1:
-        bad(f"has version {header[1]}, expected 1")
-    num_tokens = int(header[2])
-    if num_tokens < 0:
-        bad(f"has a header token count of {num_tokens}: the header is damaged")
-    if os.path.getsize(path) < 256 * 4 + 2 * num_tokens:
-        bad(f"is truncated: its header says {num_tokens} tokens")
-    return np.memmap(path, dtype=np.uint16, mode="r", offset=256 * 4, shape=(num_tokens,))
+            raise ValueError(f"it holds {tokens.dtype} of shape {tokens.shape}, not 1-D uint16 tokens")
+    except ValueError as e:  # numpy's too: a file shorter than its header says, a damaged .npy
+        die(f"{path} is not a whole token shard, truncated or damaged ({e}); re-create it with prepare_fineweb.py")
+    return tokens
 
 
 SHARD_NAME = re.compile(r"(?:^|_)(train|val)(?:_\d+)?\.(?:bin|npy)$")  # [PREFIX_]train[_000001].bin, or val
@@ -350,9 +319,8 @@ SHARD_NAME = re.compile(r"(?:^|_)(train|val)(?:_\d+)?\.(?:bin|npy)$")  # [PREFIX
 def find_shards(data_dir, split):
     """The split's shards in name order. The split is the word right before the index (fineweb_train_000001.bin,
     edufineweb_val_000000.npy), never "train" anywhere in the name: a val shard must never train."""
-    files = sorted(glob.glob(os.path.join(data_dir, "*.bin")) + glob.glob(os.path.join(data_dir, "*.npy")))
     found = []
-    for f in files:
+    for f in sorted(glob.glob(os.path.join(data_dir, "*.bin")) + glob.glob(os.path.join(data_dir, "*.npy"))):
         name = os.path.basename(f)
         match = SHARD_NAME.search(name)
         if match is None or {"train", "val"} <= set(re.split(r"[_.]", name)):
@@ -372,8 +340,7 @@ class ShardLoader:
         self.B, self.T, self.rank, self.world_size, self.device = B, T, rank, world_size, device
         self.order, self.span = "sequential" if seed is None else "shuffled", span
         self.seed = 0 if seed is None else seed % 2**64  # numpy seeds are non-negative
-        self.tokens_per_step = B * T * world_size  # one micro-batch over all ranks
-        self.window_tokens = span * self.tokens_per_step
+        self.window_tokens = span * B * T * world_size
         for f, tokens in zip(files, self.shards):
             if len(tokens) < self.window_tokens + 1:
                 die(f"{f} has {len(tokens)} tokens, fewer than one step over all ranks reads "
@@ -382,8 +349,8 @@ class ShardLoader:
         self.seek(0, 0, 0, 0)
 
     def order_of(self, n, *key):
-        """range(n) in file order (seed None: build-nanogpt's), or a permutation seeded by (seed, *key): each epoch
-        reads every window once, and (epoch, shard, window, micro-batch) is the whole state, saved in checkpoints."""
+        """range(n) in file order (build-nanogpt's), or a permutation seeded by (seed, *key): each epoch reads every
+        window once, and (epoch, shard, window, micro-batch) is the whole state, saved in checkpoints."""
         return range(n) if self.order == "sequential" else np.random.default_rng((self.seed, *key)).permutation(n)
 
     def seek(self, epoch, shard, window, micro):
@@ -399,16 +366,8 @@ class ShardLoader:
                 "num_windows": sum(self.num_windows)}
 
     def load_state(self, state):
-        if "pos" in state:  # a checkpoint from before --data_order: (shard, token position), sequential
-            if self.order != "sequential" or state["pos"] % self.tokens_per_step:
-                die(f"the checkpoint's data position (shard {state['shard']}, token {state['pos']}) is in the old "
-                    f"sequential format: resume it with --data_order sequential and the same --micro_batch_size, "
-                    f"--seq_len and number of processes")
-            steps = state["pos"] // self.tokens_per_step
-            return self.seek(0, state["shard"], steps // self.span, steps % self.span)
-        ours = (self.order, self.seed, self.window_tokens, sum(self.num_windows))
-        theirs = (state["order"], state["seed"] if state["order"] == "shuffled" else 0,  # file order has no seed
-                  state["window_tokens"], state["num_windows"])
+        ours = {k: v for k, v in self.state().items() if k in ("order", "seed", "window_tokens", "num_windows")}
+        theirs = {k: state[k] for k in ours}
         if ours == theirs:
             return self.seek(state["epoch"], state["shard"], state["window"], state["micro"])
         # the data, its order or the batch changed since the checkpoint: go on from the same point of the epoch
@@ -416,10 +375,8 @@ class ShardLoader:
         tokens_read = state["window"] * state["window_tokens"]  # checkpoints are taken between steps: micro is 0
         shard_index = self.order_of(len(self.shards), state["epoch"])[shard]
         window = min(-(-tokens_read // self.window_tokens), self.num_windows[shard_index])
-        if self.rank == 0:
-            print(f"data: the checkpoint read (order, seed, tokens per window, windows) = {theirs}, this run {ours}: "
-                  f"going on at epoch {state['epoch']}, shard {shard}, window {window} of the new order (this epoch "
-                  f"may repeat or skip some tokens)")
+        print0(f"data: the checkpoint read {theirs}, this run {ours}: going on at epoch {state['epoch']}, shard "
+               f"{shard}, window {window} of the new order (this epoch may repeat or skip some tokens)")
         self.seek(state["epoch"], shard, window, 0)
 
     def next_batch(self):
@@ -457,13 +414,10 @@ def lr_multiplier(step, args):
 # ---- shared: step ----
 def train_step(model, optimizers, scaler, next_batch, grad_accum_steps, step_tokens, grad_clip, autocast_ctx):
     """One optimizer step over grad_accum_steps micro-batches. Returns this rank's part of the loss and the gradient
-    norm as device tensors (no host sync in here), and the step's timestamps."""
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
-    loss_accum, marks = 0.0, []
+    norm as device tensors: no host sync in here."""
+    loss_accum = 0.0
     for micro_step in range(grad_accum_steps):
-        t0 = timestamp()
         x, y = next_batch()  # on the device already
-        t1 = timestamp()
         # all-reduce the gradients on the last micro-step only: the ones before just add to .grad
         last = micro_step == grad_accum_steps - 1
         if isinstance(model, DDP):
@@ -479,7 +433,6 @@ def train_step(model, optimizers, scaler, next_batch, grad_accum_steps, step_tok
         loss = loss * (world_size / max(step_tokens, 1))  # a step with no target at all: 0, not 0 / 0
         loss_accum = loss_accum + loss.detach()
         scaler.scale(loss).backward()
-        marks.append((t0, t1, timestamp()))
     for opt in optimizers:
         scaler.unscale_(opt)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
@@ -490,7 +443,7 @@ def train_step(model, optimizers, scaler, next_batch, grad_accum_steps, step_tok
     scaler.update()
     for opt in optimizers:
         opt.zero_grad(set_to_none=True)
-    return loss_accum, grad_norm, (marks, timestamp())
+    return loss_accum, grad_norm
 # ---- end shared: step ----
 
 
@@ -500,29 +453,25 @@ def train_step(model, optimizers, scaler, next_batch, grad_accum_steps, step_tok
 
 def main(argv=None):
     args = get_args(argv)
-    rank, local_rank, world_size, device = init_distributed(args.device)
+    device = init_distributed(args.device)
     device_type = device.split(":")[0]
-    master = rank == 0  # rank 0 prints, logs and writes checkpoints
     torch.manual_seed(args.seed)
 
     # ---- check the inputs before any work
-    if not os.path.isdir(args.data_dir):
-        die(f"--data_dir {args.data_dir} is not a folder; make shards with prepare_fineweb.py "
-            f"(python prepare_fineweb.py --demo for a small offline set)")
-    if args.hellaswag_file and not os.path.isfile(args.hellaswag_file):
-        die(f"--hellaswag_file {args.hellaswag_file} is not a file (missing, or a folder); python hellaswag.py "
-            f"downloads it into data/hellaswag")
     train_files, val_files = find_shards(args.data_dir, "train"), find_shards(args.data_dir, "val")
     if not train_files or not val_files:
-        die(f"{args.data_dir} needs train and val shards ([PREFIX_]train_N.bin, [PREFIX_]val_N.bin, or .npy); "
-            f"make them with prepare_fineweb.py")
+        die(f"--data_dir {args.data_dir} is not a folder of token shards: it needs train and val shards "
+            f"([PREFIX_]train_N.bin, [PREFIX_]val_N.bin, or .npy); make them with prepare_fineweb.py "
+            f"(python prepare_fineweb.py --demo for a small offline set)")
+    if args.hellaswag_file and not os.path.isfile(args.hellaswag_file):
+        die(f"--hellaswag_file {args.hellaswag_file} is not a file; python hellaswag.py downloads it into data/hellaswag")
     B, T = args.micro_batch_size, args.seq_len
     if args.total_batch_size % (B * T * world_size) != 0:
         die(f"--total_batch_size {args.total_batch_size} is not divisible by micro_batch_size * seq_len * world_size "
             f"= {B} * {T} * {world_size}; change --total_batch_size or --micro_batch_size")
     grad_accum_steps = args.total_batch_size // (B * T * world_size)
     on_out_of_memory(micro_batch_advice(B, T, args.total_batch_size))  # what its one line says, should memory run out
-    if master:
+    if master_process:
         prepare_out_dir(args.out_dir, "--out_dir")
 
     # ---- the model: a checkpoint to resume, OpenAI's weights, or a new one
@@ -530,31 +479,26 @@ def main(argv=None):
     if checkpoint is not None:
         raw_model = model_from_checkpoint(checkpoint)
     elif args.init_from:
-        raw_model = GPT.from_pretrained(args.init_from)
+        raw_model = gpt_from_pretrained(args.init_from)
     else:
         overrides = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "block_size") if getattr(args, k)}
         config = GPTConfig(**{**MODEL_SIZES[args.model], **overrides})
         if config.n_embd % config.n_head != 0:
             die(f"--n_embd {config.n_embd} is not divisible by --n_head {config.n_head}")
-        try:
-            raw_model = GPT(config)
-        except (MemoryError, RuntimeError):  # torch reports a failed allocation as a RuntimeError
-            params = 12 * config.n_layer * config.n_embd**2 + config.vocab_size * config.n_embd
-            die(f"the model ({config.n_layer} layers x {config.n_embd} wide, ~{params / 1e9:,.1f}B parameters) does "
-                f"not fit in memory; make it smaller")
+        raw_model = GPT(config)
     if T > raw_model.config.block_size:
         die(f"--seq_len {T} is beyond the model's context of {raw_model.config.block_size}; lower --seq_len")
+
     # ---- the data
     # shuffled, a window is a whole step (total_batch_size tokens): the order is the same for any process count
     span, seed = (grad_accum_steps, args.seed) if args.data_order == "shuffled" else (1, None)
     train_loader = ShardLoader(train_files, B, T, rank, world_size, device, span, seed)
     val_loader = ShardLoader(val_files, B, T, rank, world_size, device)
-    val_steps = max(1, args.val_tokens // (B * T * world_size))
-    val_steps, clamped = min(val_steps, sum(val_loader.num_windows)), val_steps > sum(val_loader.num_windows)
+    val_steps = min(max(1, args.val_tokens // (B * T * world_size)), sum(val_loader.num_windows))
     val_tokens = val_steps * B * T * world_size
-    if clamped and master:
-        print(f"--val_tokens {args.val_tokens:,} is more than the val shards hold: each eval reads them once, "
-              f"{val_tokens:,} tokens")
+    if args.val_tokens // (B * T * world_size) > val_steps:
+        print0(f"--val_tokens {args.val_tokens:,} is more than the val shards hold: each eval reads them once, "
+               f"{val_tokens:,} tokens")
     hellaswag_examples = load_hellaswag(args.hellaswag_file, args.hellaswag_limit) if args.hellaswag_file else None
     enc = get_tokenizer()
 
@@ -570,17 +514,16 @@ def main(argv=None):
         train_loader.load_state(checkpoint["loader"])
         del checkpoint
     log, wandb_run, wandb_run_id = open_run_log(args, start_step, wandb_run_id)
-    if master:
-        if start_step > 0:
-            print(f"resuming from {args.resume} at step {start_step}")
-        print(f"{raw_model.num_params():,} parameters, {parameter_mib(raw_model):.1f} MiB of them per rank "
-              f"({'FSDP' if args.fsdp else 'DDP' if world_size > 1 else 'one process'}) | {device} "
-              f"{str(dtype).replace('torch.', '')} | {args.total_batch_size:,} tokens/step = {grad_accum_steps} x {B} x {T} x {world_size}")
-        epoch_tokens = sum(train_loader.num_windows) * train_loader.window_tokens
-        print(f"train data: {args.data_order} order, {len(train_files)} shards, an epoch is {epoch_tokens:,} tokens "
-              f"= {epoch_tokens / args.total_batch_size:,.1f} steps")
-        if use_compile(args.compile, device_type):
-            print("compiling the model (the first step takes a minute or more)", flush=True)
+    if start_step > 0:
+        print0(f"resuming from {args.resume} at step {start_step}")
+    print0(f"{raw_model.num_params():,} parameters, {parameter_mib(raw_model):.1f} MiB of them per rank "
+           f"({'FSDP' if args.fsdp else 'DDP' if world_size > 1 else 'one process'}) | {device} "
+           f"{str(dtype)[6:]} | {args.total_batch_size:,} tokens/step = {grad_accum_steps} x {B} x {T} x {world_size}")
+    epoch_tokens = sum(train_loader.num_windows) * train_loader.window_tokens
+    print0(f"train data: {args.data_order} order, {len(train_files)} shards, an epoch is {epoch_tokens:,} tokens "
+           f"= {epoch_tokens / args.total_batch_size:,.1f} steps")
+    if use_compile(args.compile, device_type):
+        print0("compiling the model (the first step takes a minute or more)", flush=True)
 
     @torch.no_grad()
     def evaluate_val_loss():
@@ -589,7 +532,7 @@ def main(argv=None):
         model.eval()
         val_loader.seek(0, 0, 0, 0)
         loss_sum = torch.zeros((), device=device)
-        for i in progress(range(val_steps), "val loss", enabled=master):
+        for i in progress(range(val_steps), "val loss"):
             if i % 16 == 15 and stop_agreed(device):
                 model.train()
                 return None
@@ -608,8 +551,8 @@ def main(argv=None):
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
-    step_log = StepLog(args.max_steps, args.total_batch_size, raw_model.flops_per_token(T) * args.total_batch_size,
-                       device, peak_flops(device, args.peak_flops))
+    step_log = StepLog(args.max_steps, args.total_batch_size,
+                       flops_per_token(raw_model, T) * args.total_batch_size, device, peak_flops(device, args.peak_flops))
     stop = False  # agreed by all ranks
 
     for step in range(start_step, args.max_steps + 1):
@@ -628,8 +571,7 @@ def main(argv=None):
                     f"step {step:5d} | val loss {val_loss:.4f} ({val_tokens:,} tokens)")
         if stop:
             save(step)  # older checkpoints stay: these weights have given no loss yet (the resumed run prunes)
-            if master:
-                print(f"stopped by signal at step {step}; continue with --resume", flush=True)
+            print0(f"stopped by signal at step {step}; continue with --resume", flush=True)
             break
 
         # once in a while evaluate HellaSwag
@@ -642,14 +584,14 @@ def main(argv=None):
                 f"step {step:5d} | hellaswag acc {correct / count:.4f} acc_norm {correct_norm / count:.4f} ({count})")
 
         # once in a while sample from the model (not at the start: it has learned nothing new yet)
-        if evaluate and args.num_samples and step > start_step and (master or args.fsdp):  # FSDP: all ranks forward
+        if evaluate and args.num_samples and step > start_step and (master_process or args.fsdp):  # FSDP: all ranks forward
             raw_model.eval()
             generator = torch.Generator(device).manual_seed(args.seed + step)  # leaves the training RNG alone
             prompt = torch.tensor([enc.encode(args.prompt) or [EOT_TOKEN]] * args.num_samples, device=device)
             tokens = torch.cat(list(generate(raw_model, prompt, args.sample_len, enc.n_vocab, top_k=50,
                                              generator=generator, autocast_ctx=autocast_ctx)), dim=1)
-            for i, row in enumerate(tokens.tolist() if master else []):
-                print(f"---- sample {i} ----\n{args.prompt}{enc.decode(row)}")
+            for i, row in enumerate(tokens.tolist()):
+                print0(f"---- sample {i} ----\n{args.prompt}{enc.decode(row)}")
             raw_model.train()
 
         # once in a while save a checkpoint (older ones are pruned once its weights have given a finite loss)
@@ -660,11 +602,12 @@ def main(argv=None):
             break
 
         # one optimizer step
-        step_log.start()
+        t0 = time.perf_counter()
         set_schedule(optimizers, lr_multiplier(step, args), step, args)
-        loss, grad_norm, marks = train_step(model, optimizers, scaler, train_loader.next_batch, grad_accum_steps,
-                                            args.total_batch_size, args.grad_clip, autocast_ctx)
-        loss, grad_norm, stop = agree_on_step(loss, grad_norm)
+        loss, grad_norm = train_step(model, optimizers, scaler, train_loader.next_batch, grad_accum_steps,
+                                     args.total_batch_size, args.grad_clip, autocast_ctx)
+        loss, grad_norm, stop = agree_on_step(loss, grad_norm)  # the step's one host sync: now it is done
+        step_seconds = time.perf_counter() - t0
         lr = optimizers[0].param_groups[0]["lr"]  # the lr AdamW stepped with
         saved = step > start_step and step % args.save_every == 0  # a checkpoint of the weights this step started from
         # diverged: stop before anything else is saved (float16's grad scaler skips a step whose gradients overflow)
@@ -674,7 +617,7 @@ def main(argv=None):
             prune_checkpoints(args.out_dir, step, args.keep_checkpoints)
 
         # the log: a line every log_every steps, with the means since the last one
-        step_log.add(step, loss, grad_norm, marks)
+        step_log.add(step, loss, grad_norm, step_seconds)
         if step % args.log_every == 0 or step == args.max_steps - 1:
             log(*step_log.record(step, lr))
 
@@ -720,7 +663,7 @@ def stop_agreed(device):
 
 def stop_diverged(step, what, lr, out_dir, saved):
     """A non-finite loss: stop at once on every rank, drop the checkpoint of these weights (saved), say where to go on."""
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if master_process:
         path = os.path.join(out_dir, f"ckpt_{step:07d}.pt")
         if saved:
             os.remove(path)
@@ -728,76 +671,49 @@ def stop_diverged(step, what, lr, out_dir, saved):
         where = f"resume from {older[-1]} with --resume and a lower --lr" if older else "start again with a lower --lr"
         if os.path.isfile(path):  # the run resumed from these weights: --resume would take them again
             where = f"move {path} aside (its weights diverge), then {where}"
-        print(f"error: the run diverged at step {step} ({what} at lr {lr:.4e}); nothing of it was saved: {where}",
-              file=sys.stderr)
+        die(f"the run diverged at step {step} ({what} at lr {lr:.4e}); nothing of it was saved: {where}")
     sys.exit(2)
 
 
-def timestamp():
-    """A point in time that costs no host sync: a CUDA event (read once per log line), else the clock."""
-    if torch.cuda.is_initialized():
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-    return time.perf_counter()
-
-
-def elapsed_ms(start, end):
-    return (end - start) * 1000 if isinstance(start, float) else start.elapsed_time(end)
-
-
 class StepLog:
-    """The step lines: the losses and timings of the steps since the last line, averaged into the next one."""
+    """The step lines: the losses of the steps since the last line and their time, averaged into the next one."""
 
     def __init__(self, max_steps, tokens_per_step, flops_per_step, device, peak_flops):
         self.max_steps, self.tokens_per_step, self.flops_per_step = max_steps, tokens_per_step, flops_per_step
-        self.device, self.peak_flops = device, peak_flops
-        self.steps, self.eta_from = [], None  # eta_from: (step, time) after the first step, which compiles
-        if not peak_flops and (not dist.is_initialized() or dist.get_rank() == 0):
+        self.device, self.peak_flops, self.steps, self.first = device, peak_flops, [], None
+        if not peak_flops:
             name = torch.cuda.get_device_name(device) if device.startswith("cuda") else device
-            print(f"no MFU: the bf16 peak FLOP/s of {name} is not known; give it with --peak_flops")
+            print0(f"no MFU: the bf16 peak FLOP/s of {name} is not known; give it with --peak_flops")
 
-    def start(self):
-        if not self.steps:  # the interval's wall time counts from here: evals and checkpoints are left out
-            self.t_interval = time.perf_counter()
-
-    def add(self, step, loss, grad_norm, marks):
-        self.steps.append((loss, grad_norm, marks))
-        if self.eta_from is None:
-            self.eta_from = (step, time.perf_counter())
+    def add(self, step, loss, grad_norm, seconds):
+        self.steps.append((loss, grad_norm, seconds))
+        self.first = self.first or (step, time.perf_counter())  # after the first step, which compiles
 
     def record(self, step, lr):
-        """The log record and line, and a new interval. tok/s is over all ranks in the slowest rank's time, MFU over
-        all devices; memory is per rank. A collective."""
-        n, world_size = len(self.steps), dist.get_world_size() if dist.is_initialized() else 1
-        losses, norms, timings = zip(*self.steps)
-        now = time.perf_counter()
-        stats = [torch.tensor([now - self.t_interval, peak_memory_gib(self.device)], device=self.device)
-                 for _ in range(world_size)]
-        if world_size > 1:
-            dist.all_gather(stats, stats[0].clone())
-        step_s = max(s[0].item() for s in stats) / n
-        memory = [round(s[1].item(), 3) for s in stats]
-        data_ms = sum(elapsed_ms(a, b) for marks, _ in timings for a, b, _ in marks) / n
-        fb_ms = sum(elapsed_ms(b, c) for marks, _ in timings for _, b, c in marks) / n
-        opt_ms = sum(elapsed_ms(marks[-1][2], end) for marks, end in timings) / n
-        loss, grad_norm = sum(losses) / n, sum(norms) / n
-        tokens = (step + 1) * self.tokens_per_step  # consumed since step 0, over all ranks
-        record = {"step": step, "loss": loss, "loss_last": losses[-1], "lr": lr, "grad_norm": grad_norm,
-                  "tokens": tokens, "ms": step_s * 1000, "tok_per_s": self.tokens_per_step / step_s, "data_ms": data_ms,
-                  "fwd_bwd_ms": fb_ms, "opt_ms": opt_ms, "peak_mem_gib": memory}
-        last = f" (last {losses[-1]:.6f})" if n > 1 else ""
-        line = (f"step {step:5d}/{self.max_steps} | loss {loss:.6f}{last} | lr {lr:.4e} | norm {grad_norm:.4f} | "
-                f"{step_s * 1000:.1f} ms (data {data_ms:.1f}, fwd+bwd {fb_ms:.1f}, opt {opt_ms:.1f}) | "
-                f"{record['tok_per_s']:,.0f} tok/s | {short_count(tokens)} tokens | mem {max(memory):.2f} GiB/rank")
+        """The log record and line, and a new interval. tok/s is over all ranks (which keep in step), MFU over all
+        devices; memory is rank 0's."""
+        losses, norms, seconds = zip(*self.steps)
+        n, step_s, memory = len(losses), sum(seconds) / len(losses), peak_memory_gib(self.device)
+        record = {"step": step, "loss": sum(losses) / n, "loss_last": losses[-1], "lr": lr, "grad_norm": sum(norms) / n,
+                  "tokens": (step + 1) * self.tokens_per_step, "ms": step_s * 1000,
+                  "tok_per_s": self.tokens_per_step / step_s, "peak_mem_gib": memory}
+        line = (f"step {step:5d}/{self.max_steps} | loss {record['loss']:.6f}{f' (last {losses[-1]:.6f})' * (n > 1)} | "
+                f"lr {lr:.4e} | norm {record['grad_norm']:.4f} | {step_s * 1000:.1f} ms | {record['tok_per_s']:,.0f} "
+                f"tok/s | {record['tokens']:,} tokens | mem {memory:.2f} GiB")
         if self.peak_flops:
             record["mfu"] = self.flops_per_step / step_s / (self.peak_flops * world_size)
             line += f" | MFU {record['mfu'] * 100:.1f}%"
-        if step > self.eta_from[0]:  # the mean wall time of a step since the first one, evals and checkpoints included
-            record["eta_s"] = (now - self.eta_from[1]) / (step - self.eta_from[0]) * (self.max_steps - 1 - step)
+        if step > self.first[0]:  # the mean wall time of a step since the first one, evals and checkpoints included
+            record["eta_s"] = (time.perf_counter() - self.first[1]) / (step - self.first[0]) * (self.max_steps - 1 - step)
             line += f" | eta {duration(record['eta_s'])}"
         self.steps = []
         return record, line
+
+
+def flops_per_token(model, seq_len):
+    """Training FLOPs per token: 6N for the weight matmuls plus attention's 12 * L * d * T (PaLM, app. B)."""
+    n = model.num_params() - model.transformer.wpe.weight.numel()  # position lookups do no matmul
+    return 6 * n + 12 * model.config.n_layer * model.config.n_embd * seq_len
 
 
 def peak_memory_gib(device):
@@ -812,18 +728,14 @@ def duration(seconds):
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
-def short_count(n):
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
-
-
 def setup_training(raw_model, args, dtype):
     """Sharding, optimizers, DDP and compile, in the order they must happen. Returns the module that trains and
     evaluates (DDP-wrapped and/or compiled), the optimizers, the grad scaler (float16 only) and the autocast context."""
     device = next(raw_model.parameters()).device
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
     autocast_ctx = autocast_context(device.type, dtype)
-    if args.fsdp and dtype == torch.float16:  # --dtype auto on a GPU without bf16 (check_fsdp saw the flag only)
-        die("--fsdp trains with AdamW in bfloat16 or float32, and this GPU has no bfloat16; give --dtype float32")
+    if args.fsdp and (world_size < 2 or args.optimizer == "muon" or dtype == torch.float16):
+        die("--fsdp shards AdamW in bfloat16 or float32 over processes: launch with torchrun --nproc_per_node=N, "
+            "without --optimizer muon or float16 (give --dtype float32 on a GPU without bfloat16)")
     if args.fsdp:
         # FSDP2: each block, then the rest (embedding tied with the head, final norm). With bfloat16 the blocks
         # compute in it from fp32 master weights, and gradients are reduced in fp32
@@ -852,35 +764,11 @@ def parameter_mib(model):
     return sum(p.numel() * p.element_size() for p in local) / 2**20
 
 
-def save_checkpoint(checkpoint, out_dir, step):
-    """Written to a temp file and renamed, so a checkpoint on disk is never partial."""
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"ckpt_{step:07d}.pt")
-    if os.path.isdir(path):  # a folder in the way, which --resume passed over: moved aside, never deleted
-        os.replace(path, path + f".folder_{int(time.time())}")
-        print(f"moved the folder {path} aside to {path}.folder_* to save the checkpoint there", file=sys.stderr)
-    try:
-        with open(path + ".tmp", "wb") as f:
-            torch.save(checkpoint, f)
-            fsync_file(f)
-        rename_synced(path + ".tmp", path)
-    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
-        older = find_checkpoint(out_dir)
-        write_failed(path, e, f"free space in --out_dir {out_dir} (or move it), then go on with --resume from "
-                              f"{os.path.basename(older)}: the older checkpoints are as they were" if older else
-                              f"free space in --out_dir {out_dir} or give another one, then start the run again")
-    return path
-
-
-def prune_checkpoints(out_dir, step, keep):
-    """Keep the newest `keep` up to step's, counting back from it: a newer file is a leftover that --resume passed
-    over (unreadable, or past where this run went on from), and pruning by name would delete step's instead."""
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return
-    path = os.path.join(out_dir, f"ckpt_{step:07d}.pt")
-    older = [f for f in sorted(glob.glob(os.path.join(out_dir, CHECKPOINT_GLOB))) if f < path and os.path.isfile(f)]
-    for old in older[:max(0, len(older) - (keep - 1))]:
-        os.remove(old)
+def micro_batch_advice(B, T, total_batch_size):
+    """The out-of-memory line's advice in the trainers: the micro-batch that failed, and what to lower."""
+    return (f"the micro-batch is --micro_batch_size {B} x --seq_len {T}; lower --micro_batch_size (gradient "
+            f"accumulation keeps --total_batch_size {total_batch_size}); if 1 does not fit, the model and its "
+            f"optimizer state do not: a smaller model, or --fsdp over several GPUs")
 
 
 def save_training_checkpoint(raw_model, optimizers, scaler, args, step, **fields):
@@ -890,30 +778,43 @@ def save_training_checkpoint(raw_model, optimizers, scaler, args, step, **fields
     # full state dicts on rank 0, the optimizer's keyed by parameter name: one format, sharded or not
     model_state, optimizer_state = get_state_dict(raw_model, optimizers, options=StateDictOptions(
         full_state_dict=True, cpu_offload=True))
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if master_process:
         rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_initialized():
             rng["cuda"] = torch.cuda.get_rng_state()
         checkpoint = {"model": model_state, "optimizer": optimizer_state, "scaler": scaler.state_dict(), "step": step,
                       "config": asdict(raw_model.config), "args": vars(args), "rng": rng, **fields}
-        path = save_checkpoint(checkpoint, args.out_dir, step)
+        path = os.path.join(args.out_dir, f"ckpt_{step:07d}.pt")
+        older = sorted(glob.glob(os.path.join(args.out_dir, CHECKPOINT_GLOB)))
+        write_file(path, lambda f: torch.save(checkpoint, f),
+                   f"free space in --out_dir {args.out_dir} (or move it), then go on with --resume from "
+                   f"{os.path.basename(older[-1])}: the older checkpoints are as they were" if older else
+                   f"free space in --out_dir {args.out_dir} or give another one, then start the run again")
         print(f"saved {path}", flush=True)
     if dist.is_initialized():
         dist.barrier()
 
 
+def prune_checkpoints(out_dir, step, keep):
+    """Keep the newest `keep` up to step's, counting back from it: a newer file is a leftover that --resume passed
+    over (unreadable, or past where this run went on from), and pruning by name would delete step's instead."""
+    if master_process:
+        path = os.path.join(out_dir, f"ckpt_{step:07d}.pt")
+        older = [f for f in sorted(glob.glob(os.path.join(out_dir, CHECKPOINT_GLOB))) if f < path]
+        for old in older[:max(0, len(older) - (keep - 1))]:
+            os.remove(old)
+
+
 def resume_args(args, parser, argv, fixed):
     """--resume: flags not given take the checkpoint's values; the `fixed` ones (model shape, optimizer) must match.
     Sets args.resume to the newest readable checkpoint, which main() loads."""
-    if find_checkpoint(args.out_dir) is None:
-        die(f"--resume found no checkpoint in {args.out_dir}; drop --resume to start afresh")
     # the flags given on the command line: parsed again into a namespace holding a marker for every flag, since
     # argparse sets defaults only where the namespace has nothing
     unset = object()
     namespace = argparse.Namespace(**{action.dest: unset for action in parser._actions})
     given = {key for key, value in vars(parser.parse_args(argv, namespace)).items() if value is not unset}
     checkpoint, args.resume = load_checkpoint(args.out_dir, mmap=True)  # mmap: no tensor is read yet
-    saved = {**checkpoint.get("args", {}), **{k: v for k, v in checkpoint.get("config", {}).items() if k in fixed}}
+    saved = {**checkpoint["args"], **{k: v for k, v in checkpoint["config"].items() if k in fixed}}
     changed = []
     for key, value in vars(args).items():
         if key in ("resume", "out_dir", "demo") or key not in saved or saved[key] == value:  # demo: a preset only
@@ -925,17 +826,9 @@ def resume_args(args, parser, argv, fixed):
             changed.append(f"{key} {saved[key]} -> {value}")
         else:
             setattr(args, key, saved[key])
-    if changed and os.environ.get("RANK", "0") == "0":
-        print(f"resume: flags changed since the checkpoint: {', '.join(changed)}")
+    if changed:
+        print0(f"resume: flags changed since the checkpoint: {', '.join(changed)}")
     return args
-
-
-def check_fsdp(args):
-    """--fsdp's conditions, checked when the flags are parsed: a failing run's stderr is then its one error line."""
-    if args.fsdp and int(os.environ.get("WORLD_SIZE", 1)) < 2:
-        die("--fsdp shards over processes: launch with torchrun --nproc_per_node=N")
-    if args.fsdp and (args.optimizer == "muon" or args.dtype == "float16"):
-        die("--fsdp trains with AdamW in bfloat16 or float32; drop --optimizer muon / --dtype float16")
 
 
 def restore_training_state(checkpoint, raw_model, optimizers, scaler):
@@ -957,46 +850,29 @@ def restore_training_state(checkpoint, raw_model, optimizers, scaler):
 
 # ---- shared: memory ----
 memory_advice = "lower the batch size"  # what to lower when memory runs out; main() names its batch once it knows it
-MEMORY_PHASES = {"train_step": "a training step", "evaluate_val_loss": "the val loss eval", "evaluate_val": "the val eval",
-                 "generate": "sampling", "evaluate_hellaswag": "the HellaSwag eval"}  # where, by the function that ran out
 
 
 def on_out_of_memory(advice):
-    """Set the advice of the out-of-memory line: the batch that failed and what to lower."""
+    """Set the advice of the out-of-memory line: the batch that failed, and what to lower."""
     global memory_advice
     memory_advice = advice
 
 
-def is_out_of_memory(e):
-    """torch.OutOfMemoryError (CUDA, MPS), or a failed CPU allocation, which torch reports as a RuntimeError."""
-    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or (isinstance(e, RuntimeError) and any(
-        text in str(e) for text in ("can't allocate memory", "not enough memory", "out of memory")))
-
-
 def exit_on_out_of_memory(main):
-    """Run main(); running out of memory anywhere in it is one line naming where and what to lower, exit 2, once the
-    memory is given back (the frames that held the tensors are gone when the error has left main())."""
+    """Run main(); running out of memory anywhere in it is one line saying what to lower, exit 2, once the memory is
+    given back (the frames that held the tensors are gone when the error has left main())."""
     try:
         return main()
-    except Exception as e:
-        if not is_out_of_memory(e):
+    except Exception as e:  # torch reports a failed CPU allocation as a RuntimeError
+        if not isinstance(e, (MemoryError, torch.OutOfMemoryError)) and not any(
+                text in str(e) for text in ("can't allocate memory", "not enough memory", "out of memory")):
             raise
-        import traceback  # where: the outermost of our functions that was running
-        phase = next((MEMORY_PHASES[frame.f_code.co_name] for frame, _ in traceback.walk_tb(e.__traceback__)
-                      if frame.f_code.co_name in MEMORY_PHASES), None)
         memory = "GPU" if isinstance(e, torch.OutOfMemoryError) or "CUDA" in str(e) else "CPU"
     import gc
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    die(f"out of {memory} memory{f' in {phase}' if phase else ''}: {memory_advice}")
-
-
-def micro_batch_advice(B, T, total_batch_size):
-    """The advice of the training scripts: the micro-batch that failed, and what to lower."""
-    return (f"the micro-batch is --micro_batch_size {B} x --seq_len {T}; lower --micro_batch_size (gradient "
-            f"accumulation keeps --total_batch_size {total_batch_size}); if 1 does not fit, the model and its "
-            f"optimizer state do not: a smaller model, or --fsdp over several GPUs")
+    die(f"out of {memory} memory: {memory_advice}")
 # ---- end shared: memory ----
 
 
@@ -1020,11 +896,8 @@ def peak_flops(device, override=None):
 def open_run_log(args, start_step, wandb_run_id):
     """Rank 0's out_dir/log.jsonl (on resume, minus records past the checkpoint) and wandb run (continued on resume).
     Returns log(record, line), the wandb run and its id."""
-    path = os.path.join(args.out_dir, "log.jsonl")
-    wandb_run = None
-    master = not dist.is_initialized() or dist.get_rank() == 0
-    if master:
-        os.makedirs(args.out_dir, exist_ok=True)
+    path, wandb_run = os.path.join(args.out_dir, "log.jsonl"), None
+    if master_process:
         kept = []
         if start_step > 0 and os.path.exists(path):
             with open(path, "rb") as f:
@@ -1034,13 +907,7 @@ def open_run_log(args, start_step, wandb_run_id):
                 print(f"{path}: dropping {broken} unreadable (half-written) line(s)", file=sys.stderr)
             kept = [line.rstrip(b"\n") + b"\n" for line, record in records
                     if record is not None and record.get("step", 0) < start_step]
-        try:
-            with open(path + ".tmp", "wb") as f:
-                f.writelines(kept)
-                fsync_file(f)
-            rename_synced(path + ".tmp", path)
-        except OSError as e:
-            write_failed(path, e, "free space in --out_dir or give another one")
+        write_file(path, lambda f: f.writelines(kept), "free space in --out_dir or give another one")
         if args.wandb_project:
             import wandb
             try:
@@ -1052,14 +919,14 @@ def open_run_log(args, start_step, wandb_run_id):
             wandb_run_id = wandb_run.id
 
     def log(record, line):
-        if master:
+        if master_process:
             print(line, flush=True)
             try:
                 with open(path, "a") as f:
                     f.write(json.dumps(record) + "\n")
             except OSError as e:
-                write_failed(path, e, "free space (or move --out_dir), then go on with --resume from the newest "
-                                      "checkpoint: a half-written last line is dropped then")
+                die(f"cannot write {path} ({e.strerror}); free space (or move --out_dir), then go on with --resume "
+                    f"from the newest checkpoint: a half-written last line is dropped then")
             if wandb_run is not None:
                 wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
 
@@ -1080,46 +947,27 @@ def log_record(line):
 CHECKPOINT_GLOB = "ckpt_*.pt"
 
 
-def find_checkpoint(path):
-    """The checkpoint file itself, or the newest checkpoint in a folder; None if there is none."""
-    if os.path.isfile(path):
-        return path
-    found = sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)))
-    return found[-1] if found else None
-
-
-def read_checkpoint(path, device="cpu", mmap=False):
-    """(checkpoint, None), or (None, why it is not a readable checkpoint of train_gpt2.py or mid_train.py)."""
-    try:
-        checkpoint = torch.load(path, map_location=device, weights_only=True, mmap=mmap)  # mmap: tensors read lazily
-    except Exception as e:
-        return None, f"{path} is not a readable checkpoint ({type(e).__name__})"
-    if not isinstance(checkpoint, dict) or not {"model", "config"} <= checkpoint.keys():
-        return None, f"{path} is not a train_gpt2.py/mid_train.py checkpoint (no model and config in it)"
-    return checkpoint, None
-
-
 def load_checkpoint(path, device="cpu", mmap=False):
-    """Load a checkpoint file, or the newest readable one in an out_dir: an unreadable newest one (a truncated,
-    empty or foreign file) is passed over with a line. A missing or unreadable checkpoint is a one-line error."""
-    if os.path.isfile(path):
-        checkpoint, problem = read_checkpoint(path, device, mmap)
-        if problem:
-            die(f"{problem}; give one written by train_gpt2.py or mid_train.py")
-        return checkpoint, path
-    found = sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)))
-    if not found:
-        die(f"no checkpoint at {path}: give a ckpt_*.pt file or an out_dir holding one")
+    """(checkpoint, its path): a checkpoint file, or the newest readable one in an out_dir, where an unreadable newer
+    one (a truncated, empty or foreign file) is passed over with a line. None readable is a one-line error."""
+    found = [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)), reverse=True)
     problems = []
-    for candidate in reversed(found):
-        checkpoint, problem = read_checkpoint(candidate, device, mmap)
-        if not problem:
-            if problems and int(os.environ.get("RANK", 0)) == 0:
-                print(f"passing over {len(problems)} newer checkpoint(s): {'; '.join(problems)}; using {candidate}",
-                      file=sys.stderr)
-            return checkpoint, candidate
-        problems.append(problem)
-    die(f"none of the {len(found)} checkpoints in {path} is readable ({problems[0]}); give another checkpoint "
+    for candidate in found:
+        try:
+            checkpoint = torch.load(candidate, map_location=device, weights_only=True, mmap=mmap)  # mmap: read lazily
+            if isinstance(checkpoint, dict) and {"model", "config"} <= checkpoint.keys():
+                if problems:
+                    print0(f"passing over {len(problems)} newer checkpoint(s): {'; '.join(problems)}; using "
+                           f"{candidate}", file=sys.stderr)
+                return checkpoint, candidate
+            problems.append(f"{candidate} is not a train_gpt2.py/mid_train.py checkpoint (no model and config in it)")
+        except Exception as e:
+            problems.append(f"{candidate} is not a readable checkpoint ({type(e).__name__})")
+    if not found:
+        die(f"no checkpoint at {path}: give a ckpt_*.pt file or an out_dir holding one (--resume: drop it to start "
+            f"afresh)")
+    die(f"{problems[0]}; give one written by train_gpt2.py or mid_train.py" if os.path.isfile(path) else
+        f"none of the {len(found)} checkpoints in {path} is readable ({problems[0]}); give another checkpoint "
         f"(a --resume run: start afresh without --resume)")
 
 
@@ -1214,36 +1062,25 @@ def set_schedule(optimizers, multiplier, step, args):
 
 
 # ---- shared: distributed ----
-def init_distributed(device_arg="auto"):
-    """DDP from torchrun's environment (NCCL on CUDA, gloo elsewhere), or a single process.
-    Returns (rank, local_rank, world_size, device)."""
-    if device_arg == "auto":
-        device_arg = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    check_device(device_arg)
-    if "RANK" not in os.environ:
-        return 0, 0, 1, device_arg
-    rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-    if device_arg.startswith("cuda"):
-        device_arg = f"cuda:{local_rank}"
-        check_device(device_arg)
-        torch.cuda.set_device(device_arg)
-        dist.init_process_group("nccl", device_id=torch.device(device_arg))
-    else:
-        dist.init_process_group("gloo")
-    return rank, local_rank, world_size, device_arg
-
-
-def check_device(device):
-    """A one-line error for a device this machine does not have, or a name torch would not take."""
-    kind, _, index = device.partition(":")
-    if kind not in ("cuda", "mps", "cpu") or (index and (kind != "cuda" or not index.isdigit())):
-        die(f"--device {device} is not a device name; give auto, cpu, mps, cuda or cuda:N")
-    if kind == "cuda" and not torch.cuda.is_available():
-        die(f"--device {device}: CUDA is not available here (torch {torch.__version__}); use --device cpu (or auto)")
-    if kind == "cuda" and index and int(index) >= torch.cuda.device_count():
-        die(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), numbered from 0")
-    if kind == "mps" and not torch.backends.mps.is_available():
-        die("--device mps: MPS (Apple GPU) is not available here; use --device cpu (or auto)")
+def init_distributed(device="auto"):
+    """The device, checked; and under torchrun the process group (NCCL on CUDA, gloo elsewhere), a GPU a process."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if device.startswith("cuda") and world_size > 1:
+        device = f"cuda:{os.environ['LOCAL_RANK']}"  # set before NCCL starts, which uses the current device
+    try:  # a device this machine lacks, or a name torch does not take, fails here
+        if device.split(":")[0] not in ("cuda", "mps", "cpu"):
+            raise ValueError("not a device name")
+        if device.startswith("cuda"):
+            torch.cuda.set_device(device)
+        torch.empty(0, device=device)
+    except Exception as e:
+        die(f"--device {device}: {str(e).splitlines()[0]}; give auto, cpu, mps, cuda or cuda:N (torch "
+            f"{torch.__version__} sees {torch.cuda.device_count()} CUDA device(s))")
+    if "RANK" in os.environ:
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
+                                device_id=torch.device(device) if device.startswith("cuda") else None)
+    return device
 
 
 def autocast_dtype(dtype_arg, device_type, width=768):
@@ -1260,8 +1097,7 @@ def autocast_dtype(dtype_arg, device_type, width=768):
     if dist.is_initialized():
         dist.broadcast(use_bf16, 0)  # every rank takes rank 0's pick: ranks must train in one dtype
     dtype = torch.bfloat16 if use_bf16 else torch.float32
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"dtype auto: {str(dtype)[6:]} (bf16 matmul {bf16:.3f} TFLOP/s vs fp32 {fp32:.3f})", file=sys.stderr)
+    print0(f"dtype auto: {str(dtype)[6:]} (bf16 matmul {bf16:.3f} TFLOP/s vs fp32 {fp32:.3f})", file=sys.stderr)
     return dtype
 
 
@@ -1287,9 +1123,7 @@ def use_compile(compile_arg, device_type):
 
 
 def autocast_context(device_type, dtype):
-    if dtype == torch.float32:
-        return nullcontext()
-    return torch.autocast(device_type=device_type, dtype=dtype)
+    return nullcontext() if dtype == torch.float32 else torch.autocast(device_type=device_type, dtype=dtype)
 # ---- end shared: distributed ----
 
 
@@ -1302,83 +1136,66 @@ def load_hellaswag(path, limit=0):
             if not line.strip():
                 continue
             try:
-                ex = json.loads(line.decode("utf-8"))
-                ctx, endings, label = ex["ctx"], ex["endings"], int(ex["label"])
-            except UnicodeDecodeError:
-                die(f"{path}:{line_no} is not UTF-8 text; HellaSwag files are UTF-8 jsonl")
+                ex = json.loads(line)  # bytes, read as UTF-8: a file in another encoding is a ValueError too
+                example = (ex["ctx"], ex["endings"], int(ex["label"]))
+                if not (isinstance(example[0], str) and isinstance(example[1], list) and len(example[1]) == 4
+                        and all(isinstance(e, str) for e in example[1]) and 0 <= example[2] <= 3):
+                    raise ValueError
             except (ValueError, KeyError, TypeError):
-                die(f"{path}:{line_no} is not a HellaSwag example (jsonl with ctx, endings, label)")
-            if not isinstance(ctx, str) or not isinstance(endings, list) or len(endings) != 4 \
-                    or not all(isinstance(e, str) for e in endings) or not 0 <= label <= 3:
-                die(f"{path}:{line_no} is not a HellaSwag example: it needs a ctx string, exactly 4 endings (strings) "
-                    f"and a label 0-3")
-            examples.append((ctx, endings, label))
+                die(f"{path}:{line_no} is not a HellaSwag example: UTF-8 JSON with a ctx string, exactly 4 endings "
+                    f"(strings) and a label 0-3")
+            examples.append(example)
             if len(examples) == limit:
                 break
     return examples
 
 
 def render_hellaswag(example, enc):
-    """4 rows of context + " " + ending; the mask is 1 on the ending tokens, the ones that are scored."""
+    """4 rows of context + " " + ending; the masks are 1 on the ending tokens, the ones that are scored."""
     ctx, endings, label = example
     ctx_tokens = enc.encode(ctx)
-    rows, masks = [], []
-    for ending in endings:
-        end_tokens = enc.encode(" " + ending)
-        rows.append(ctx_tokens + end_tokens)
-        masks.append([0] * len(ctx_tokens) + [1] * len(end_tokens))
-    return rows, masks, label
+    rows = [ctx_tokens + enc.encode(" " + ending) for ending in endings]
+    return rows, [[0] * len(ctx_tokens) + [1] * (len(row) - len(ctx_tokens)) for row in rows], label
 
 
 @torch.no_grad()
 def score_hellaswag(model, rendered, device, n_vocab, autocast_ctx=nullcontext()):
     """Score rendered examples in one forward (right padding changes nothing under causal attention). Returns the
     endings with the lowest summed loss and with the lowest mean loss per token."""
-    rows = [row for r in rendered for row in r[0]]
-    masks = [m for r in rendered for m in r[1]]
-    width = max(len(row) for row in rows)
-    tokens = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width)
-    for i, (row, m) in enumerate(zip(rows, masks)):
-        tokens[i, : len(row)] = torch.tensor(row)
-        mask[i, : len(m)] = torch.tensor(m, dtype=torch.float)
-    tokens, mask = tokens.to(device), mask.to(device)
-    with autocast_ctx:
+    rows = [row for r in rendered for row in zip(r[0], r[1])]
+    width = max(len(row) for row, _ in rows)
+    tokens = torch.tensor([row + [0] * (width - len(row)) for row, _ in rows], device=device)
+    scored = torch.tensor([m[1:] + [0] * (width - len(m)) for _, m in rows], device=device).bool()  # the predictions
+    with autocast_ctx:  # of the ending tokens; only they count
         logits, _ = model(tokens)
-    scored = mask[:, 1:].bool()  # only the predictions of the ending tokens count: the rest is never scored
-    losses = torch.zeros(len(rows), width - 1, device=device)
+    losses = torch.zeros(scored.shape, device=device)
     losses[scored] = F.cross_entropy(logits[:, :-1][scored][:, :n_vocab].float(), tokens[:, 1:][scored],
                                      reduction="none")  # over the tokenizer's vocab, padding ids excluded
     sum_loss = losses.sum(dim=1).view(-1, 4)
-    mean_loss = sum_loss / mask[:, 1:].sum(dim=1).view(-1, 4)
-    return sum_loss.argmin(dim=1).tolist(), mean_loss.argmin(dim=1).tolist()
+    return sum_loss.argmin(dim=1).tolist(), (sum_loss / scored.sum(dim=1).view(-1, 4)).argmin(dim=1).tolist()
 
 
 def evaluate_hellaswag(model, examples, enc, device, batch_size=8, autocast_ctx=nullcontext(), split_ranks=True):
     """acc and acc_norm over the examples, split across ranks (FSDP ranks, which forward in lockstep, each score all);
     returns (correct, correct_norm, count) summed."""
-    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() and split_ranks else (0, 1)
     n_vocab, max_len = min(enc.n_vocab, model.config.vocab_size), model.config.block_size
-    rendered = [render_hellaswag(ex, enc) for ex in examples[rank::world_size]]
-    cropped = sum(max(map(len, rows)) > max_len for rows, _, _ in rendered)
+    rendered = [render_hellaswag(ex, enc) for ex in (examples[rank::world_size] if split_ranks else examples)]
+    counts = torch.tensor([0, 0, len(rendered), sum(max(map(len, rows)) > max_len for rows, _, _ in rendered)])
     # a row longer than the model's context keeps its last max_len tokens: the start of the context goes, as in
     # lm-evaluation-harness, and the ending is scored as before
-    rendered = [([row[-max_len:] for row in rows], [m[-max_len:] for m in masks], label) for rows, masks, label in rendered]
-    rendered.sort(key=lambda r: max(map(len, r[0])))  # examples of similar length batch together: little padding
-    correct = correct_norm = 0
-    for i in progress(range(0, len(rendered), batch_size), "hellaswag", enabled=rank == 0):
+    rendered = sorted((([row[-max_len:] for row in rows], [m[-max_len:] for m in masks], label)
+                       for rows, masks, label in rendered), key=lambda r: max(map(len, r[0])))
+    for i in progress(range(0, len(rendered), batch_size), "hellaswag"):  # sorted by length: little padding
         batch = rendered[i: i + batch_size]
-        pred, pred_norm = score_hellaswag(model, batch, device, n_vocab, autocast_ctx)
-        labels = [r[2] for r in batch]
-        correct += sum(p == y for p, y in zip(pred, labels))
-        correct_norm += sum(p == y for p, y in zip(pred_norm, labels))
-    counts = torch.tensor([correct, correct_norm, len(rendered), cropped], dtype=torch.long, device=device)
-    if world_size > 1:
+        for j, pred in enumerate(score_hellaswag(model, batch, device, n_vocab, autocast_ctx)):
+            counts[j] += sum(p == label for p, (_, _, label) in zip(pred, batch))
+    if split_ranks and world_size > 1:
+        counts = counts.to(device)
         dist.all_reduce(counts)
     correct, correct_norm, count, cropped = counts.tolist()
-    if cropped and rank == 0:
-        print(f"hellaswag: {cropped} of {count} examples are longer than the model's context ({max_len} tokens): "
-              f"the start of their context is left out")
+    if cropped:
+        print0(f"hellaswag: {cropped} of {count} examples are longer than the model's context ({max_len} tokens): "
+               f"the start of their context is left out")
     return correct, correct_norm, count
 # ---- end shared: hellaswag ----
 
@@ -1458,29 +1275,38 @@ def get_tokenizer(special_tokens=None):
 
 
 # ---- shared: progress ----
-def progress(iterable, desc, enabled=True):
-    """A tqdm bar on stderr for a loop that takes a while (an eval): shown after 2 s, and never when stderr is not
-    a terminal (logs, CI), as prepare_fineweb.py does."""
+def progress(iterable, desc):
+    """A tqdm bar on stderr for a loop that takes a while (an eval), on rank 0: shown after 2 s, and never when
+    stderr is not a terminal (logs, CI), as prepare_fineweb.py does."""
     from tqdm import tqdm
-    return tqdm(iterable, desc=desc, leave=False, delay=2, disable=None if enabled else True)
+    return tqdm(iterable, desc=desc, leave=False, delay=2, disable=None if master_process else True)
 # ---- end shared: progress ----
 
 
 # ---- shared: files ----
 def prepare_out_dir(path, flag, lock=True):
-    """Create an output folder, check that it can be written and (lock) that no live run writes into it, before any
+    """Create an output folder and (lock) take its .lock, refusing a folder that a live run writes into, before any
     work starts. Then remove the *.tmp of a killed save: finished files are renamed from them, never the only copy."""
+    import errno
+    import fcntl
+    import socket
     try:
         os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".write_check_{os.getpid()}")
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
+        fd = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT, 0o644) if lock else None
     except OSError as e:
-        die(f"{flag} {path} cannot be created or written ({e.strerror or type(e).__name__}); "
-            f"give another folder or fix its permissions")
-    if lock:  # before the .tmp files go: a live run's .tmp is its save in progress
-        lock_out_dir(path, flag)
+        die(f"{flag} {path} cannot be created or written ({e.strerror}); give another folder or fix its permissions")
+    if lock:  # a POSIX lock is the kernel's: it goes with its process (SIGKILL, a crash); the fd stays open till then
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+        except OSError as e:
+            if e.errno in (errno.EACCES, errno.EAGAIN):  # held: before the .tmp files go, a live run's save
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a run that is starting"
+                die(f"{flag} {path} is in use by a running run ({holder}); wait for it to end or stop it, "
+                    f"or give another {flag}")
+            print(f"{flag} {path}: this file system cannot lock files ({e.strerror}); a second run into it is not "
+                  f"refused", file=sys.stderr)  # ENOLCK & co: some network file systems
     stale = [f for f in sorted(glob.glob(os.path.join(path, "*.tmp"))) if os.path.isfile(f)]
     for f in stale:
         os.remove(f)
@@ -1489,101 +1315,54 @@ def prepare_out_dir(path, flag, lock=True):
               f"{', '.join(os.path.basename(f) for f in stale)}")
 
 
-held_locks = []  # this process's out_dir locks, open for its whole life: the kernel frees them when it ends
-
-
-def lock_out_dir(path, flag):
-    """Take path/.lock, or refuse the folder with one line naming the live run (pid, host) that holds it."""
-    import errno
-    import fcntl
-    import socket
+def write_file(path, write, fix):
+    """Write a file whole or not at all: write(f) into path.tmp, fsync it, rename it over path (after a crash there
+    is the old file or the new one, never a part). A failed write (a full disk, a quota) is one line naming the file,
+    the cause and the fix; its .tmp goes."""
     try:
-        fd = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:  # a folder or someone else's read-only file in its place
-        die(f"{flag} {path}: its lock file .lock cannot be opened ({e.strerror}); remove {path}/.lock if no run "
-            f"is using the folder, or give another {flag}")
-    try:  # a POSIX lock is the kernel's: it goes with its process (SIGKILL, a crash), and forked workers lack it
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        if e.errno not in (errno.EACCES, errno.EAGAIN):  # ENOLCK & co: a file system without working locks
-            os.close(fd)
-            print(f"{flag} {path}: this file system cannot lock files ({e.strerror}); a second run into it is not "
-                  f"refused", file=sys.stderr)
-            return
-        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a run that is starting"
-        os.close(fd)
-        die(f"{flag} {path} is in use by a running run ({holder}); wait for it to end or stop it, "
-            f"or give another {flag}")
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
-    held_locks.append(fd)
-
-
-def write_failed(path, error, fix):
-    """A failed write (full disk, quota, read-only mount) is one line naming the file and the cause; its .tmp goes.
-    error: the OSError, or one it caused (torch.save's RuntimeError); anything else is raised again, as a bug."""
-    cause = next((e for e in (error, error.__cause__, error.__context__) if isinstance(e, OSError)), None)
-    if cause is None:
-        raise error
-    try:
-        os.remove(path + ".tmp")
-    except OSError:
-        pass
-    die(f"cannot write {path} ({cause.strerror or type(cause).__name__}); {fix}")
-
-
-def fsync_file(f):
-    """Flush an open file to the disk itself, before it is renamed into place."""
-    f.flush()
-    os.fsync(f.fileno())
-
-
-def rename_synced(tmp_path, path):
-    """Rename a written and fsynced temp file into place, then fsync the folder so that the rename is on disk too:
-    after a machine crash there is the old file or the new one, never a renamed but empty one."""
-    os.replace(tmp_path, path)
-    try:
-        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:  # some filesystems cannot fsync a folder; the file itself is on disk already
-        pass
+        with open(path + ".tmp", "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError raised from the OSError
+        cause = next((c for c in (e, e.__cause__, e.__context__) if isinstance(c, OSError)), e)
+        if os.path.exists(path + ".tmp"):
+            os.remove(path + ".tmp")
+        die(f"cannot write {path} ({getattr(cause, 'strerror', None) or cause}); {fix}")
 # ---- end shared: files ----
 
 
 # ---- shared: cli ----
+# this process's place among those torchrun started (the same whole run without it: rank 0 of 1)
+rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+master_process = rank == 0  # rank 0 prints, logs and writes checkpoints
+
+
+def print0(*args, **kwargs):
+    if master_process:
+        print(*args, **kwargs)
+
+
 def die(message):
-    """Bad input: one line naming the problem and the fix, exit code 2, no traceback."""
+    """Bad input or a run-time fault: one line naming the problem and the fix, exit code 2, no traceback."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
 
 
-class HelpFormatter(argparse.HelpFormatter):
-    """--help shows every flag's default, except where there is none (None, a switch's False) or the help says it."""
-
-    def _get_help_string(self, action):
-        if action.default in (None, False, argparse.SUPPRESS) or "default" in action.help:
-            return action.help
-        return action.help + (" (default: %(default)r)" if isinstance(action.default, str) else " (default: %(default)s)")
-
-
-def ranged(kind, low=None, high=None, low_open=False, high_open=False):
-    """An argparse type: a `kind` (int or float) in [low, high], the ends left out with low_open / high_open. A bad
+def ranged(kind, low, high=float("inf"), low_open=False, high_open=False):
+    """An argparse type: a `kind` (int or float) in [low, high], an end left out with low_open / high_open. A bad
     value is then a one-line error at parse time that names the flag and the range, e.g. `argument --lr: ...`."""
-    name = "an integer" if kind is int else "a number"
-    bounds = " and ".join(([f"> {low}" if low_open else f">= {low}"] if low is not None else [])
-                          + ([f"< {high}" if high_open else f"<= {high}"] if high is not None else []))
+    bounds = f"{'>' if low_open else '>='} {low}" + (f" and {'<' if high_open else '<='} {high}" if high < float("inf") else "")
 
     def parse(text):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {name}; give {name} {bounds}".rstrip())
-        if not abs(value) < float("inf") or (low is not None and (value <= low if low_open else value < low)) \
-                or (high is not None and (value >= high if high_open else value > high)):
-            raise argparse.ArgumentTypeError(f"{text} is out of range; give {name} {bounds}")
+            value = float("nan")
+        if not (low < value if low_open else low <= value) or not (value < high if high_open else value <= high) \
+                or value == float("inf"):  # nan fails every comparison
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'} {bounds}")
         return value
     return parse
 

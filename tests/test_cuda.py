@@ -58,7 +58,7 @@ def test_peak_memory_is_logged(gpu_runs):
     total_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
     for name in ("bf16", "fp32"):
         records = [r for r in read_log(root / name) if "peak_mem_gib" in r]
-        peak = max(max(r["peak_mem_gib"]) for r in records)
+        peak = max(r["peak_mem_gib"] for r in records)
         median_tok_s = sorted(r["tok_per_s"] for r in records)[len(records) // 2]
         print(f"\n{name}: peak memory {peak:.3f} GiB of {total_gib:.1f}, median {median_tok_s:,.0f} tok/s "
               f"({torch.cuda.get_device_name(0)})")

@@ -102,16 +102,6 @@ def test_resume_from_state_is_exact(files):
         assert all((g[0] == w[0]).all() for g, w in zip(got, want[cut:]))
 
 
-def test_old_checkpoint_state(files, capsys):
-    """State written before --data_order, {shard, pos}: resumes in sequential order, is an error when shuffled."""
-    loader = ShardLoader(files, 2, 4, 0, 1)
-    loader.load_state({"shard": 1, "pos": 5 * 8})
-    assert int(loader.next_batch()[0][0, 0]) == LENGTHS[0] + 5 * 8
-    with pytest.raises(SystemExit) as e:
-        ShardLoader(files, 2, 4, 0, 1, seed=0).load_state({"shard": 1, "pos": 40})
-    assert e.value.code == 2 and capsys.readouterr().err.startswith("error: ")
-
-
 def test_other_batch_size_on_resume_says_so(files, capsys):
     first = ShardLoader(files, 2, 8, 0, 1, span=2, seed=5)
     read(first, 20)  # 10 windows of 32 tokens
@@ -119,14 +109,3 @@ def test_other_batch_size_on_resume_says_so(files, capsys):
     other.load_state(first.state())
     assert "going on at epoch 0, shard 0, window 5" in capsys.readouterr().out
     assert (other.epoch, other.shard, other.window) == (0, 0, 5)
-
-
-def test_sequential_state_ignores_the_seed_it_stored(files, capsys):
-    """A sequential run's checkpoint used to store the run's --seed, which file order does not use: resuming it
-    goes on where it was, with no 'the data changed' line."""
-    first = ShardLoader(files, 2, 8, 0, 1, span=2)
-    read(first, 6)
-    resumed = ShardLoader(files, 2, 8, 0, 1, span=2)
-    resumed.load_state({**first.state(), "seed": 1337})
-    assert capsys.readouterr().out == ""
-    assert all((a[0] == b[0]).all() for a, b in zip(read(resumed, 20), read(first, 20)))

@@ -104,7 +104,7 @@ def test_step_loss_and_gradient_are_the_mean_over_every_target():
     expected.backward()
     batches = iter(zip(x, y))
     sgd = torch.optim.SGD(model.parameters(), lr=1.0)
-    loss, _, _ = mid_train.train_step(model, [sgd], torch.amp.GradScaler("cpu", enabled=False),
+    loss, _ = mid_train.train_step(model, [sgd], torch.amp.GradScaler("cpu", enabled=False),
                                       lambda: next(batches), 3, 65, 0.0, nullcontext())
     assert abs(loss.item() - expected.item()) < 1e-6, (loss, expected)  # finite, though a micro-batch learns nothing
     for before, after in zip(reference.parameters(), model.parameters()):  # one SGD step of lr 1 moved them by -grad
