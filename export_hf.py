@@ -278,16 +278,13 @@ class KVCache:
     """Keys and values of the tokens seen so far, for generation: the prompt is run once, then one token a step."""
 
     def __init__(self, n_layer, max_len):
-        self.n_layer, self.max_len, self.pos = n_layer, max_len, 0  # pos: tokens in the cache
-        self.k = self.v = None  # allocated on first use, in the dtype attention runs in (autocast's)
+        self.n_layer, self.max_len, self.pos, self.kv = n_layer, max_len, 0, None  # pos: tokens in the cache
 
     def store(self, layer, k, v):
-        if self.k is None:
-            self.k = k.new_zeros(self.n_layer, *k.shape[:2], self.max_len, k.size(3))  # (layer, B, head, pos, dim)
-            self.v = torch.zeros_like(self.k)
-        end = self.pos + k.size(2)
-        self.k[layer, :, :, self.pos:end], self.v[layer, :, :, self.pos:end] = k, v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        if self.kv is None:  # (keys and values, layer, B, head, position, dim), in the dtype attention runs in
+            self.kv = k.new_zeros(2, self.n_layer, *k.shape[:2], self.max_len, k.size(3))
+        self.kv[:, layer, :, :, self.pos: self.pos + k.size(2)] = torch.stack([k, v])
+        return self.kv[:, layer, :, :, : self.pos + k.size(2)].unbind()
 
 
 class CausalSelfAttention(nn.Module):
@@ -352,15 +349,12 @@ class GPT(nn.Module):
         self.apply(self._init_weights)
 
     def _init_weights(self, module):
-        if isinstance(module, nn.Linear):
-            std = 0.02
-            if getattr(module, "RESIDUAL_SCALE_INIT", False):
-                std *= (2 * self.config.n_layer) ** -0.5  # each block adds to the residual stream twice
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            # each block adds to the residual stream twice: the projections into it are scaled down
+            std = 0.02 * (2 * self.config.n_layer) ** -0.5 if getattr(module, "RESIDUAL_SCALE_INIT", False) else 0.02
             torch.nn.init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                torch.nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            torch.nn.init.zeros_(module.bias)
 
     def forward(self, idx, targets=None, kv_cache=None, reduction="mean"):
         """Logits for every position; with targets (-1 where ignored), also the cross-entropy loss over the targets:

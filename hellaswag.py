@@ -66,7 +66,7 @@ def hellaswag_file(args):
     path = os.path.join(args.cache_dir, f"hellaswag_{args.split}.jsonl")
     if not os.path.exists(path):
         url = HELLASWAG_URL.format(split=args.split)
-        prepare_out_dir(args.cache_dir, "--cache_dir", lock=False)  # a cache: evals may share it
+        os.makedirs(args.cache_dir, exist_ok=True)
         try:
             with urllib.request.urlopen(url, timeout=30) as response:
                 data = response.read()
@@ -234,37 +234,6 @@ seed_int = ranged(int, 0, 2**32 - 1)  # what every RNG we seed takes
 
 
 # ---- shared: files ----
-def prepare_out_dir(path, flag, lock=True):
-    """Create an output folder and (lock) take its .lock, refusing a folder that a live run writes into, before any
-    work starts. Then remove the *.tmp of a killed save: finished files are renamed from them, never the only copy."""
-    import errno
-    import fcntl
-    import socket
-    try:
-        os.makedirs(path, exist_ok=True)
-        fd = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT, 0o644) if lock else None
-    except OSError as e:
-        die(f"{flag} {path} cannot be created or written ({e.strerror}); give another folder or fix its permissions")
-    if lock:  # a POSIX lock is the kernel's: it goes with its process (SIGKILL, a crash); the fd stays open till then
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
-        except OSError as e:
-            if e.errno in (errno.EACCES, errno.EAGAIN):  # held: before the .tmp files go, a live run's save
-                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a run that is starting"
-                die(f"{flag} {path} is in use by a running run ({holder}); wait for it to end or stop it, "
-                    f"or give another {flag}")
-            print(f"{flag} {path}: this file system cannot lock files ({e.strerror}); a second run into it is not "
-                  f"refused", file=sys.stderr)  # ENOLCK & co: some network file systems
-    stale = [f for f in sorted(glob.glob(os.path.join(path, "*.tmp"))) if os.path.isfile(f)]
-    for f in stale:
-        os.remove(f)
-    if stale:
-        print(f"removed {len(stale)} stale temp file(s) of a killed save from {path}: "
-              f"{', '.join(os.path.basename(f) for f in stale)}")
-
-
 def write_file(path, write, fix):
     """Write a file whole or not at all: write(f) into path.tmp, fsync it, rename it over path (after a crash there
     is the old file or the new one, never a part). A failed write (a full disk, a quota) is one line naming the file,
@@ -342,16 +311,13 @@ class KVCache:
     """Keys and values of the tokens seen so far, for generation: the prompt is run once, then one token a step."""
 
     def __init__(self, n_layer, max_len):
-        self.n_layer, self.max_len, self.pos = n_layer, max_len, 0  # pos: tokens in the cache
-        self.k = self.v = None  # allocated on first use, in the dtype attention runs in (autocast's)
+        self.n_layer, self.max_len, self.pos, self.kv = n_layer, max_len, 0, None  # pos: tokens in the cache
 
     def store(self, layer, k, v):
-        if self.k is None:
-            self.k = k.new_zeros(self.n_layer, *k.shape[:2], self.max_len, k.size(3))  # (layer, B, head, pos, dim)
-            self.v = torch.zeros_like(self.k)
-        end = self.pos + k.size(2)
-        self.k[layer, :, :, self.pos:end], self.v[layer, :, :, self.pos:end] = k, v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        if self.kv is None:  # (keys and values, layer, B, head, position, dim), in the dtype attention runs in
+            self.kv = k.new_zeros(2, self.n_layer, *k.shape[:2], self.max_len, k.size(3))
+        self.kv[:, layer, :, :, self.pos: self.pos + k.size(2)] = torch.stack([k, v])
+        return self.kv[:, layer, :, :, : self.pos + k.size(2)].unbind()
 
 
 class CausalSelfAttention(nn.Module):
@@ -416,15 +382,12 @@ class GPT(nn.Module):
         self.apply(self._init_weights)
 
     def _init_weights(self, module):
-        if isinstance(module, nn.Linear):
-            std = 0.02
-            if getattr(module, "RESIDUAL_SCALE_INIT", False):
-                std *= (2 * self.config.n_layer) ** -0.5  # each block adds to the residual stream twice
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            # each block adds to the residual stream twice: the projections into it are scaled down
+            std = 0.02 * (2 * self.config.n_layer) ** -0.5 if getattr(module, "RESIDUAL_SCALE_INIT", False) else 0.02
             torch.nn.init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                torch.nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            torch.nn.init.zeros_(module.bias)
 
     def forward(self, idx, targets=None, kv_cache=None, reduction="mean"):
         """Logits for every position; with targets (-1 where ignored), also the cross-entropy loss over the targets:
@@ -527,34 +490,22 @@ def autocast_dtype(dtype_arg, device_type, width=768):
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if device_type != "cpu":
         return torch.float32
-    bf16, fp32 = matmul_tflops(torch.bfloat16, width), matmul_tflops(torch.float32, width)
-    use_bf16 = torch.tensor(bf16 > fp32)
+    tflops = {}
+    for dtype in (torch.bfloat16, torch.float32):  # the MLP's matmul at about 1 GFLOP: the best of 3 after a warm-up
+        a, b = torch.randn(max(16, 2**27 // width**2), width, dtype=dtype), torch.randn(width, 4 * width, dtype=dtype)
+        seconds = []
+        for _ in range(4):
+            start = time.perf_counter()
+            a @ b
+            seconds.append(time.perf_counter() - start)
+        tflops[dtype] = 8 * a.size(0) * width**2 / min(seconds[1:]) / 1e12
+    use_bf16 = torch.tensor(tflops[torch.bfloat16] > tflops[torch.float32])
     if dist.is_initialized():
         dist.broadcast(use_bf16, 0)  # every rank takes rank 0's pick: ranks must train in one dtype
     dtype = torch.bfloat16 if use_bf16 else torch.float32
-    print0(f"dtype auto: {str(dtype)[6:]} (bf16 matmul {bf16:.3f} TFLOP/s vs fp32 {fp32:.3f})", file=sys.stderr)
+    print0(f"dtype auto: {str(dtype)[6:]} (bf16 matmul {tflops[torch.bfloat16]:.3f} TFLOP/s vs fp32 "
+           f"{tflops[torch.float32]:.3f})", file=sys.stderr)
     return dtype
-
-
-def matmul_tflops(dtype, width, reps=3):
-    """CPU matmul speed of the MLP's shape, (rows, width) x (width, 4 * width) at about 1 GFLOP: best of a few."""
-    rows = max(16, 2**27 // width**2)
-    a, b = torch.randn(rows, width, dtype=dtype), torch.randn(width, 4 * width, dtype=dtype)
-    a @ b  # warm-up: the library picks its kernel
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 8 * rows * width**2 / best / 1e12
-
-
-def use_compile(compile_arg, device_type):
-    """torch.compile: 2x on CPU and more on CUDA; inductor needs a C++ compiler on CPU, and MPS support is young."""
-    if compile_arg != "auto":
-        return compile_arg == "on"
-    import shutil
-    return device_type == "cuda" or (device_type == "cpu" and any(map(shutil.which, ("g++", "c++", "clang++"))))
 
 
 def autocast_context(device_type, dtype):

@@ -421,30 +421,29 @@ seed_int = ranged(int, 0, 2**32 - 1)  # what every RNG we seed takes
 # ---- end shared: cli ----
 
 
-# ---- shared: files ----
-def prepare_out_dir(path, flag, lock=True):
-    """Create an output folder and (lock) take its .lock, refusing a folder that a live run writes into, before any
-    work starts. Then remove the *.tmp of a killed save: finished files are renamed from them, never the only copy."""
+# ---- shared: out_dir ----
+def prepare_out_dir(path, flag):
+    """Create an output folder and take its .lock, refusing a folder that a live run writes into, before any work
+    starts. Then remove the *.tmp of a killed save: finished files are renamed from them, never the only copy."""
     import errno
     import fcntl
     import socket
     try:
         os.makedirs(path, exist_ok=True)
-        fd = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT, 0o644) if lock else None
+        fd = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
         die(f"{flag} {path} cannot be created or written ({e.strerror}); give another folder or fix its permissions")
-    if lock:  # a POSIX lock is the kernel's: it goes with its process (SIGKILL, a crash); the fd stays open till then
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
-        except OSError as e:
-            if e.errno in (errno.EACCES, errno.EAGAIN):  # held: before the .tmp files go, a live run's save
-                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a run that is starting"
-                die(f"{flag} {path} is in use by a running run ({holder}); wait for it to end or stop it, "
-                    f"or give another {flag}")
-            print(f"{flag} {path}: this file system cannot lock files ({e.strerror}); a second run into it is not "
-                  f"refused", file=sys.stderr)  # ENOLCK & co: some network file systems
+    try:  # a POSIX lock is the kernel's: it goes with its process (SIGKILL, a crash); the fd stays open till then
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+    except OSError as e:
+        if e.errno in (errno.EACCES, errno.EAGAIN):  # held: before the .tmp files go, a live run's save
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a run that is starting"
+            die(f"{flag} {path} is in use by a running run ({holder}); wait for it to end or stop it, or give "
+                f"another {flag}")
+        print(f"{flag} {path}: this file system cannot lock files ({e.strerror}); a second run into it is not "
+              f"refused", file=sys.stderr)  # ENOLCK & co: some network file systems
     stale = [f for f in sorted(glob.glob(os.path.join(path, "*.tmp"))) if os.path.isfile(f)]
     for f in stale:
         os.remove(f)
@@ -453,6 +452,10 @@ def prepare_out_dir(path, flag, lock=True):
               f"{', '.join(os.path.basename(f) for f in stale)}")
 
 
+# ---- end shared: out_dir ----
+
+
+# ---- shared: files ----
 def write_file(path, write, fix):
     """Write a file whole or not at all: write(f) into path.tmp, fsync it, rename it over path (after a crash there
     is the old file or the new one, never a part). A failed write (a full disk, a quota) is one line naming the file,

@@ -289,16 +289,13 @@ class KVCache:
     """Keys and values of the tokens seen so far, for generation: the prompt is run once, then one token a step."""
 
     def __init__(self, n_layer, max_len):
-        self.n_layer, self.max_len, self.pos = n_layer, max_len, 0  # pos: tokens in the cache
-        self.k = self.v = None  # allocated on first use, in the dtype attention runs in (autocast's)
+        self.n_layer, self.max_len, self.pos, self.kv = n_layer, max_len, 0, None  # pos: tokens in the cache
 
     def store(self, layer, k, v):
-        if self.k is None:
-            self.k = k.new_zeros(self.n_layer, *k.shape[:2], self.max_len, k.size(3))  # (layer, B, head, pos, dim)
-            self.v = torch.zeros_like(self.k)
-        end = self.pos + k.size(2)
-        self.k[layer, :, :, self.pos:end], self.v[layer, :, :, self.pos:end] = k, v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        if self.kv is None:  # (keys and values, layer, B, head, position, dim), in the dtype attention runs in
+            self.kv = k.new_zeros(2, self.n_layer, *k.shape[:2], self.max_len, k.size(3))
+        self.kv[:, layer, :, :, self.pos: self.pos + k.size(2)] = torch.stack([k, v])
+        return self.kv[:, layer, :, :, : self.pos + k.size(2)].unbind()
 
 
 class CausalSelfAttention(nn.Module):
@@ -363,15 +360,12 @@ class GPT(nn.Module):
         self.apply(self._init_weights)
 
     def _init_weights(self, module):
-        if isinstance(module, nn.Linear):
-            std = 0.02
-            if getattr(module, "RESIDUAL_SCALE_INIT", False):
-                std *= (2 * self.config.n_layer) ** -0.5  # each block adds to the residual stream twice
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            # each block adds to the residual stream twice: the projections into it are scaled down
+            std = 0.02 * (2 * self.config.n_layer) ** -0.5 if getattr(module, "RESIDUAL_SCALE_INIT", False) else 0.02
             torch.nn.init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                torch.nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            torch.nn.init.zeros_(module.bias)
 
     def forward(self, idx, targets=None, kv_cache=None, reduction="mean"):
         """Logits for every position; with targets (-1 where ignored), also the cross-entropy loss over the targets:
@@ -474,34 +468,22 @@ def autocast_dtype(dtype_arg, device_type, width=768):
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if device_type != "cpu":
         return torch.float32
-    bf16, fp32 = matmul_tflops(torch.bfloat16, width), matmul_tflops(torch.float32, width)
-    use_bf16 = torch.tensor(bf16 > fp32)
+    tflops = {}
+    for dtype in (torch.bfloat16, torch.float32):  # the MLP's matmul at about 1 GFLOP: the best of 3 after a warm-up
+        a, b = torch.randn(max(16, 2**27 // width**2), width, dtype=dtype), torch.randn(width, 4 * width, dtype=dtype)
+        seconds = []
+        for _ in range(4):
+            start = time.perf_counter()
+            a @ b
+            seconds.append(time.perf_counter() - start)
+        tflops[dtype] = 8 * a.size(0) * width**2 / min(seconds[1:]) / 1e12
+    use_bf16 = torch.tensor(tflops[torch.bfloat16] > tflops[torch.float32])
     if dist.is_initialized():
         dist.broadcast(use_bf16, 0)  # every rank takes rank 0's pick: ranks must train in one dtype
     dtype = torch.bfloat16 if use_bf16 else torch.float32
-    print0(f"dtype auto: {str(dtype)[6:]} (bf16 matmul {bf16:.3f} TFLOP/s vs fp32 {fp32:.3f})", file=sys.stderr)
+    print0(f"dtype auto: {str(dtype)[6:]} (bf16 matmul {tflops[torch.bfloat16]:.3f} TFLOP/s vs fp32 "
+           f"{tflops[torch.float32]:.3f})", file=sys.stderr)
     return dtype
-
-
-def matmul_tflops(dtype, width, reps=3):
-    """CPU matmul speed of the MLP's shape, (rows, width) x (width, 4 * width) at about 1 GFLOP: best of a few."""
-    rows = max(16, 2**27 // width**2)
-    a, b = torch.randn(rows, width, dtype=dtype), torch.randn(width, 4 * width, dtype=dtype)
-    a @ b  # warm-up: the library picks its kernel
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 8 * rows * width**2 / best / 1e12
-
-
-def use_compile(compile_arg, device_type):
-    """torch.compile: 2x on CPU and more on CUDA; inductor needs a C++ compiler on CPU, and MPS support is young."""
-    if compile_arg != "auto":
-        return compile_arg == "on"
-    import shutil
-    return device_type == "cuda" or (device_type == "cpu" and any(map(shutil.which, ("g++", "c++", "clang++"))))
 
 
 def autocast_context(device_type, dtype):
@@ -586,35 +568,30 @@ def filter_logits(logits, top_k=None, top_p=None):
     return logits
 
 
-def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
-    """Pick the next token from (B, V) logits: greedy at temperature 0, else sample from top-k / top-p."""
-    if temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    probs = F.softmax(filter_logits(logits.float() / temperature, top_k, top_p), dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator)
-
-
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, n_vocab, temperature=1.0, top_k=None, top_p=None, generator=None,
              use_cache=True, autocast_ctx=nullcontext()):
-    """Yield (B, 1) new tokens one at a time after the (B, T) prompt idx, never a padding id past n_vocab. With the
-    cache, one token per forward (a full context keeps its last half); without, the last block_size tokens each step."""
+    """Yield (B, 1) new tokens one at a time after the (B, T) prompt idx, never a padding id past n_vocab: greedy at
+    temperature 0, else sampled from the top_k / top_p. With the cache, one token per forward (a full context keeps
+    its last half); without, the last block_size tokens each step."""
     block_size = model.config.block_size
     kv_cache = KVCache(model.config.n_layer, block_size) if use_cache else None
     next_input = idx[:, -block_size:]
     for _ in range(max_new_tokens):
         with autocast_ctx:
-            logits, _ = model(next_input, kv_cache=kv_cache)
-        token = sample_next(logits[:, -1, :n_vocab], temperature, top_k, top_p, generator)
+            logits = model(next_input, kv_cache=kv_cache)[0][:, -1, :n_vocab].float()
+        if temperature == 0:
+            token = logits.argmax(dim=-1, keepdim=True)
+        else:
+            probs = F.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)
+            token = torch.multinomial(probs, num_samples=1, generator=generator)
         yield token
         idx = torch.cat([idx, token], dim=1)
-        if not use_cache:
-            next_input = idx[:, -block_size:]
-        elif kv_cache.pos < block_size:
-            next_input = token
-        else:
+        if use_cache and kv_cache.pos == block_size:
             kv_cache = KVCache(model.config.n_layer, block_size)
             next_input = idx[:, -(block_size // 2):]
+        else:
+            next_input = token if use_cache else idx[:, -block_size:]
 # ---- end shared: generate ----
 
 

@@ -46,7 +46,7 @@ DEMO_PRESET = dict(  # a small GPT that trains on data/demo (stdlib English, 0.4
 
 def get_args(argv=None):
     p = argparse.ArgumentParser(description="Pretrain GPT-2 on token shards (llm.c .bin or uint16 .npy).",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     p.error = die  # one-line errors, exit code 2
     # model
     p.add_argument("--model", default="gpt2", choices=list(MODEL_SIZES), help="model size to train from scratch")
@@ -108,7 +108,7 @@ def get_args(argv=None):
         p.set_defaults(**DEMO_PRESET)
         args = p.parse_args(argv)
     if args.resume:
-        args = resume_args(args, p, argv, fixed=("model", "n_layer", "n_head", "n_embd", "block_size", "init_from",
+        args = resume_args(args, argv, fixed=("model", "n_layer", "n_head", "n_embd", "block_size", "init_from",
                                                  "optimizer"))
     if not args.prompt and args.num_samples:
         print0("--prompt is empty: the in-loop samples start from <|endoftext|>")
@@ -137,16 +137,13 @@ class KVCache:
     """Keys and values of the tokens seen so far, for generation: the prompt is run once, then one token a step."""
 
     def __init__(self, n_layer, max_len):
-        self.n_layer, self.max_len, self.pos = n_layer, max_len, 0  # pos: tokens in the cache
-        self.k = self.v = None  # allocated on first use, in the dtype attention runs in (autocast's)
+        self.n_layer, self.max_len, self.pos, self.kv = n_layer, max_len, 0, None  # pos: tokens in the cache
 
     def store(self, layer, k, v):
-        if self.k is None:
-            self.k = k.new_zeros(self.n_layer, *k.shape[:2], self.max_len, k.size(3))  # (layer, B, head, pos, dim)
-            self.v = torch.zeros_like(self.k)
-        end = self.pos + k.size(2)
-        self.k[layer, :, :, self.pos:end], self.v[layer, :, :, self.pos:end] = k, v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        if self.kv is None:  # (keys and values, layer, B, head, position, dim), in the dtype attention runs in
+            self.kv = k.new_zeros(2, self.n_layer, *k.shape[:2], self.max_len, k.size(3))
+        self.kv[:, layer, :, :, self.pos: self.pos + k.size(2)] = torch.stack([k, v])
+        return self.kv[:, layer, :, :, : self.pos + k.size(2)].unbind()
 
 
 class CausalSelfAttention(nn.Module):
@@ -211,15 +208,12 @@ class GPT(nn.Module):
         self.apply(self._init_weights)
 
     def _init_weights(self, module):
-        if isinstance(module, nn.Linear):
-            std = 0.02
-            if getattr(module, "RESIDUAL_SCALE_INIT", False):
-                std *= (2 * self.config.n_layer) ** -0.5  # each block adds to the residual stream twice
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            # each block adds to the residual stream twice: the projections into it are scaled down
+            std = 0.02 * (2 * self.config.n_layer) ** -0.5 if getattr(module, "RESIDUAL_SCALE_INIT", False) else 0.02
             torch.nn.init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                torch.nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            torch.nn.init.zeros_(module.bias)
 
     def forward(self, idx, targets=None, kv_cache=None, reduction="mean"):
         """Logits for every position; with targets (-1 where ignored), also the cross-entropy loss over the targets:
@@ -323,9 +317,9 @@ def find_shards(data_dir, split):
     for f in sorted(glob.glob(os.path.join(data_dir, "*.bin")) + glob.glob(os.path.join(data_dir, "*.npy"))):
         name = os.path.basename(f)
         match = SHARD_NAME.search(name)
-        if match is None or {"train", "val"} <= set(re.split(r"[_.]", name)):
+        if match is None:
             die(f"cannot tell whether {f} is a train or a val shard: name shards [PREFIX_]train_N.bin and "
-                f"[PREFIX_]val_N.bin (or .npy), with train or val only as the word before the index")
+                f"[PREFIX_]val_N.bin (or .npy), with train or val as the word before the index")
         if match.group(1) == split:
             found.append(f)
     return found
@@ -366,21 +360,20 @@ class ShardLoader:
                 "num_windows": sum(self.num_windows)}
 
     def load_state(self, state):
-        ours = {k: v for k, v in self.state().items() if k in ("order", "seed", "window_tokens", "num_windows")}
-        theirs = {k: state[k] for k in ours}
-        if ours == theirs:
-            return self.seek(state["epoch"], state["shard"], state["window"], state["micro"])
-        # the data, its order or the batch changed since the checkpoint: go on from the same point of the epoch
-        shard = min(state["shard"], len(self.shards) - 1)
-        tokens_read = state["window"] * state["window_tokens"]  # checkpoints are taken between steps: micro is 0
-        shard_index = self.order_of(len(self.shards), state["epoch"])[shard]
-        window = min(-(-tokens_read // self.window_tokens), self.num_windows[shard_index])
-        print0(f"data: the checkpoint read {theirs}, this run {ours}: going on at epoch {state['epoch']}, shard "
-               f"{shard}, window {window} of the new order (this epoch may repeat or skip some tokens)")
-        self.seek(state["epoch"], shard, window, 0)
+        """Go on where the checkpoint's loader was; where the data, its order or the batch changed since, at the same
+        shard and token count of the epoch's new order."""
+        epoch, shard, window = state["epoch"], min(state["shard"], len(self.shards) - 1), state["window"]
+        theirs, ours = [state[k] for k in ("order", "seed", "window_tokens", "num_windows")], [
+            self.order, self.seed, self.window_tokens, sum(self.num_windows)]
+        if theirs != ours:  # checkpoints are taken between steps: micro is 0
+            window = -(-window * state["window_tokens"] // self.window_tokens)
+            print0(f"data: the checkpoint read (order, seed, tokens per window, windows) = {theirs}, this run {ours}: "
+                   f"going on at epoch {epoch}, shard {shard}, window {window} of the new order (this epoch may repeat "
+                   f"or skip some tokens)")
+        self.seek(epoch, shard, window, state["micro"])
 
     def next_batch(self):
-        if self.window == len(self.windows_in_order):  # the shard is done: the next one, or the next epoch
+        if self.window >= len(self.windows_in_order):  # the shard is done: the next one, or the next epoch
             more = self.shard + 1 < len(self.shards)
             self.seek(self.epoch + (not more), self.shard + 1 if more else 0, 0, 0)
         window_start = self.windows_in_order[self.window] * self.window_tokens
@@ -466,24 +459,24 @@ def main(argv=None):
     if args.hellaswag_file and not os.path.isfile(args.hellaswag_file):
         die(f"--hellaswag_file {args.hellaswag_file} is not a file; python hellaswag.py downloads it into data/hellaswag")
     B, T = args.micro_batch_size, args.seq_len
-    if args.total_batch_size % (B * T * world_size) != 0:
+    grad_accum_steps, rest = divmod(args.total_batch_size, B * T * world_size)
+    if rest:
         die(f"--total_batch_size {args.total_batch_size} is not divisible by micro_batch_size * seq_len * world_size "
             f"= {B} * {T} * {world_size}; change --total_batch_size or --micro_batch_size")
-    grad_accum_steps = args.total_batch_size // (B * T * world_size)
     on_out_of_memory(micro_batch_advice(B, T, args.total_batch_size))  # what its one line says, should memory run out
     if master_process:
         prepare_out_dir(args.out_dir, "--out_dir")
 
     # ---- the model: a checkpoint to resume, OpenAI's weights, or a new one
     checkpoint = load_checkpoint(args.resume)[0] if args.resume else None  # get_args found the newest readable one
-    if checkpoint is not None:
+    if checkpoint:
         raw_model = model_from_checkpoint(checkpoint)
     elif args.init_from:
         raw_model = gpt_from_pretrained(args.init_from)
     else:
         overrides = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "block_size") if getattr(args, k)}
         config = GPTConfig(**{**MODEL_SIZES[args.model], **overrides})
-        if config.n_embd % config.n_head != 0:
+        if config.n_embd % config.n_head:
             die(f"--n_embd {config.n_embd} is not divisible by --n_head {config.n_head}")
         raw_model = GPT(config)
     if T > raw_model.config.block_size:
@@ -502,23 +495,23 @@ def main(argv=None):
     hellaswag_examples = load_hellaswag(args.hellaswag_file, args.hellaswag_limit) if args.hellaswag_file else None
     enc = get_tokenizer()
 
-    # raw_model is what is saved, sampled and scored; model is what trains and evaluates (DDP-wrapped, compiled)
+    # raw_model is what is saved, sampled and scored; model is what trains and evaluates (DDP-wrapped, compiled).
+    # Neither has dropout, so train() and eval() would change nothing (and cost torch.compile a recompile).
     raw_model.to(device)
     dtype = autocast_dtype(args.dtype, device_type, raw_model.config.n_embd)
     model, optimizers, scaler, autocast_ctx = setup_training(raw_model, args, dtype)
 
     # ---- where a resumed run was, and the log
     start_step, val_loss, wandb_run_id = 0, None, None
-    if checkpoint is not None:
+    if checkpoint:
         start_step, val_loss, wandb_run_id = restore_training_state(checkpoint, raw_model, optimizers, scaler)
         train_loader.load_state(checkpoint["loader"])
-        del checkpoint
-    log, wandb_run, wandb_run_id = open_run_log(args, start_step, wandb_run_id)
-    if start_step > 0:
         print0(f"resuming from {args.resume} at step {start_step}")
-    print0(f"{raw_model.num_params():,} parameters, {parameter_mib(raw_model):.1f} MiB of them per rank "
-           f"({'FSDP' if args.fsdp else 'DDP' if world_size > 1 else 'one process'}) | {device} "
-           f"{str(dtype)[6:]} | {args.total_batch_size:,} tokens/step = {grad_accum_steps} x {B} x {T} x {world_size}")
+        del checkpoint
+    log, wandb_run = open_run_log(args, start_step, wandb_run_id)
+    print0(f"{raw_model.num_params():,} parameters | {'FSDP' if args.fsdp else 'DDP' if world_size > 1 else 'one process'} "
+           f"| {device} {str(dtype)[6:]} | {args.total_batch_size:,} tokens/step = {grad_accum_steps} x {B} x {T} x "
+           f"{world_size}")
     epoch_tokens = sum(train_loader.num_windows) * train_loader.window_tokens
     print0(f"train data: {args.data_order} order, {len(train_files)} shards, an epoch is {epoch_tokens:,} tokens "
            f"= {epoch_tokens / args.total_batch_size:,.1f} steps")
@@ -529,30 +522,25 @@ def main(argv=None):
     def evaluate_val_loss():
         """The mean val loss over the same val tokens every time; None when a stop signal cut it short (asked every
         16 batches, so that a preempted job saves within seconds)."""
-        model.eval()
         val_loader.seek(0, 0, 0, 0)
         loss_sum = torch.zeros((), device=device)
         for i in progress(range(val_steps), "val loss"):
             if i % 16 == 15 and stop_agreed(device):
-                model.train()
                 return None
             x, y = val_loader.next_batch()
             with autocast_ctx:
-                _, loss = model(x, y)
-            loss_sum += loss.detach()
+                loss_sum += model(x, y)[1]
         if world_size > 1:
             dist.all_reduce(loss_sum)
-        model.train()
         return loss_sum.item() / val_steps / world_size
 
     def save(step):
         save_training_checkpoint(raw_model, optimizers, scaler, args, step, kind="base", loader=train_loader.state(),
-                                 val_loss=val_loss, wandb_run_id=wandb_run_id)
+                                 val_loss=val_loss, wandb_run_id=wandb_run.id if wandb_run else None)
 
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
-    step_log = StepLog(args.max_steps, args.total_batch_size,
-                       flops_per_token(raw_model, T) * args.total_batch_size, device, peak_flops(device, args.peak_flops))
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, request_stop)
+    step_log = StepLog(args, args.total_batch_size, flops_per_token(raw_model, T) * args.total_batch_size, device)
     stop = False  # agreed by all ranks
 
     for step in range(start_step, args.max_steps + 1):
@@ -576,23 +564,19 @@ def main(argv=None):
 
         # once in a while evaluate HellaSwag
         if hellaswag_examples and (step % args.hellaswag_every == 0 or last_step):
-            raw_model.eval()
             correct, correct_norm, count = evaluate_hellaswag(raw_model, hellaswag_examples, enc, device, 16,
                                                               autocast_ctx, split_ranks=not args.fsdp)
-            raw_model.train()
             log({"step": step, "hellaswag_acc": correct / count, "hellaswag_acc_norm": correct_norm / count},
                 f"step {step:5d} | hellaswag acc {correct / count:.4f} acc_norm {correct_norm / count:.4f} ({count})")
 
         # once in a while sample from the model (not at the start: it has learned nothing new yet)
         if evaluate and args.num_samples and step > start_step and (master_process or args.fsdp):  # FSDP: all ranks forward
-            raw_model.eval()
             generator = torch.Generator(device).manual_seed(args.seed + step)  # leaves the training RNG alone
             prompt = torch.tensor([enc.encode(args.prompt) or [EOT_TOKEN]] * args.num_samples, device=device)
             tokens = torch.cat(list(generate(raw_model, prompt, args.sample_len, enc.n_vocab, top_k=50,
                                              generator=generator, autocast_ctx=autocast_ctx)), dim=1)
             for i, row in enumerate(tokens.tolist()):
                 print0(f"---- sample {i} ----\n{args.prompt}{enc.decode(row)}")
-            raw_model.train()
 
         # once in a while save a checkpoint (older ones are pruned once its weights have given a finite loss)
         if step > start_step and (step % args.save_every == 0 or last_step):
@@ -607,7 +591,7 @@ def main(argv=None):
         loss, grad_norm = train_step(model, optimizers, scaler, train_loader.next_batch, grad_accum_steps,
                                      args.total_batch_size, args.grad_clip, autocast_ctx)
         loss, grad_norm, stop = agree_on_step(loss, grad_norm)  # the step's one host sync: now it is done
-        step_seconds = time.perf_counter() - t0
+        step_log.add(step, loss, grad_norm, time.perf_counter() - t0)
         lr = optimizers[0].param_groups[0]["lr"]  # the lr AdamW stepped with
         saved = step > start_step and step % args.save_every == 0  # a checkpoint of the weights this step started from
         # diverged: stop before anything else is saved (float16's grad scaler skips a step whose gradients overflow)
@@ -617,11 +601,10 @@ def main(argv=None):
             prune_checkpoints(args.out_dir, step, args.keep_checkpoints)
 
         # the log: a line every log_every steps, with the means since the last one
-        step_log.add(step, loss, grad_norm, step_seconds)
         if step % args.log_every == 0 or step == args.max_steps - 1:
             log(*step_log.record(step, lr))
 
-    if wandb_run is not None:
+    if wandb_run:
         wandb_run.finish()
     if world_size > 1:
         dist.destroy_process_group()
@@ -678,10 +661,10 @@ def stop_diverged(step, what, lr, out_dir, saved):
 class StepLog:
     """The step lines: the losses of the steps since the last line and their time, averaged into the next one."""
 
-    def __init__(self, max_steps, tokens_per_step, flops_per_step, device, peak_flops):
-        self.max_steps, self.tokens_per_step, self.flops_per_step = max_steps, tokens_per_step, flops_per_step
-        self.device, self.peak_flops, self.steps, self.first = device, peak_flops, [], None
-        if not peak_flops:
+    def __init__(self, args, tokens_per_step, flops_per_step, device):
+        self.max_steps, self.tokens_per_step, self.flops_per_step = args.max_steps, tokens_per_step, flops_per_step
+        self.device, self.peak_flops, self.steps, self.first = device, peak_flops(device, args.peak_flops), [], None
+        if not self.peak_flops:
             name = torch.cuda.get_device_name(device) if device.startswith("cuda") else device
             print0(f"no MFU: the bf16 peak FLOP/s of {name} is not known; give it with --peak_flops")
 
@@ -697,9 +680,10 @@ class StepLog:
         record = {"step": step, "loss": sum(losses) / n, "loss_last": losses[-1], "lr": lr, "grad_norm": sum(norms) / n,
                   "tokens": (step + 1) * self.tokens_per_step, "ms": step_s * 1000,
                   "tok_per_s": self.tokens_per_step / step_s, "peak_mem_gib": memory}
-        line = (f"step {step:5d}/{self.max_steps} | loss {record['loss']:.6f}{f' (last {losses[-1]:.6f})' * (n > 1)} | "
-                f"lr {lr:.4e} | norm {record['grad_norm']:.4f} | {step_s * 1000:.1f} ms | {record['tok_per_s']:,.0f} "
-                f"tok/s | {record['tokens']:,} tokens | mem {memory:.2f} GiB")
+        last = f" (last {losses[-1]:.6f})" if n > 1 else ""
+        line = (f"step {step:5d}/{self.max_steps} | loss {record['loss']:.6f}{last} | lr {lr:.4e} | norm "
+                f"{record['grad_norm']:.4f} | {step_s * 1000:.1f} ms | {record['tok_per_s']:,.0f} tok/s | "
+                f"{record['tokens']:,} tokens | mem {memory:.2f} GiB")
         if self.peak_flops:
             record["mfu"] = self.flops_per_step / step_s / (self.peak_flops * world_size)
             line += f" | MFU {record['mfu'] * 100:.1f}%"
@@ -758,10 +742,12 @@ def setup_training(raw_model, args, dtype):
     return torch.compile(raw_model) if compile_model else raw_model, optimizers, scaler, autocast_ctx
 
 
-def parameter_mib(model):
-    """This rank's parameter memory: all of it under DDP, its shard under FSDP."""
-    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
-    return sum(p.numel() * p.element_size() for p in local) / 2**20
+def use_compile(compile_arg, device_type):
+    """torch.compile: 2x on CPU and more on CUDA; inductor needs a C++ compiler on CPU, and MPS support is young."""
+    if compile_arg != "auto":
+        return compile_arg == "on"
+    import shutil
+    return device_type == "cuda" or (device_type == "cpu" and any(map(shutil.which, ("g++", "c++", "clang++"))))
 
 
 def micro_batch_advice(B, T, total_batch_size):
@@ -805,14 +791,10 @@ def prune_checkpoints(out_dir, step, keep):
             os.remove(old)
 
 
-def resume_args(args, parser, argv, fixed):
+def resume_args(args, argv, fixed):
     """--resume: flags not given take the checkpoint's values; the `fixed` ones (model shape, optimizer) must match.
     Sets args.resume to the newest readable checkpoint, which main() loads."""
-    # the flags given on the command line: parsed again into a namespace holding a marker for every flag, since
-    # argparse sets defaults only where the namespace has nothing
-    unset = object()
-    namespace = argparse.Namespace(**{action.dest: unset for action in parser._actions})
-    given = {key for key, value in vars(parser.parse_args(argv, namespace)).items() if value is not unset}
+    given = {arg[2:].split("=")[0] for arg in (sys.argv[1:] if argv is None else argv) if arg.startswith("--")}
     checkpoint, args.resume = load_checkpoint(args.out_dir, mmap=True)  # mmap: no tensor is read yet
     saved = {**checkpoint["args"], **{k: v for k, v in checkpoint["config"].items() if k in fixed}}
     changed = []
@@ -895,19 +877,17 @@ def peak_flops(device, override=None):
 
 def open_run_log(args, start_step, wandb_run_id):
     """Rank 0's out_dir/log.jsonl (on resume, minus records past the checkpoint) and wandb run (continued on resume).
-    Returns log(record, line), the wandb run and its id."""
+    Returns log(record, line) and the wandb run."""
     path, wandb_run = os.path.join(args.out_dir, "log.jsonl"), None
     if master_process:
         kept = []
         if start_step > 0 and os.path.exists(path):
             with open(path, "rb") as f:
-                records = [(line, log_record(line)) for line in f]
-            broken = sum(record is None for _, record in records)
-            if broken:  # a half-written line of a killed run (disk full, power loss): the rest is kept
-                print(f"{path}: dropping {broken} unreadable (half-written) line(s)", file=sys.stderr)
-            kept = [line.rstrip(b"\n") + b"\n" for line, record in records
-                    if record is not None and record.get("step", 0) < start_step]
-        write_file(path, lambda f: f.writelines(kept), "free space in --out_dir or give another one")
+                records = [log_record(line) for line in f]
+            if None in records:  # a half-written line of a killed run (disk full, power loss): the rest is kept
+                print(f"{path}: dropping {records.count(None)} unreadable (half-written) line(s)", file=sys.stderr)
+            kept = [json.dumps(r) + "\n" for r in records if r is not None and r.get("step", 0) < start_step]
+        write_file(path, lambda f: f.write("".join(kept).encode()), "free space in --out_dir or give another one")
         if args.wandb_project:
             import wandb
             try:
@@ -916,7 +896,6 @@ def open_run_log(args, start_step, wandb_run_id):
             except wandb.errors.Error as e:  # not logged in (and no WANDB_MODE), a bad key, no network
                 die(f"--wandb_project: wandb cannot start ({str(e).splitlines()[0]}); run `wandb login`, or set "
                     f"WANDB_MODE=offline to log locally (wandb sync uploads it later)")
-            wandb_run_id = wandb_run.id
 
     def log(record, line):
         if master_process:
@@ -927,10 +906,10 @@ def open_run_log(args, start_step, wandb_run_id):
             except OSError as e:
                 die(f"cannot write {path} ({e.strerror}); free space (or move --out_dir), then go on with --resume "
                     f"from the newest checkpoint: a half-written last line is dropped then")
-            if wandb_run is not None:
+            if wandb_run:
                 wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
 
-    return log, wandb_run, wandb_run_id
+    return log, wandb_run
 
 
 def log_record(line):
@@ -1001,12 +980,8 @@ class Muon(torch.optim.Optimizer):
     """MomentUm Orthogonalized by Newton-schulz: SGD with Nesterov momentum, each 2-D weight's update replaced by its
     nearest orthogonal matrix. For the hidden matrices only; under DDP every rank computes the same update."""
 
-    def __init__(self, params, lr=0.02, momentum=0.95, weight_decay=0.0, ns_steps=5, qkv=()):
+    def __init__(self, params, lr=0.02, momentum=0.95, weight_decay=0.0, ns_steps=5):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps))
-        # the fused (3C x C) attention weights: Q, K and V are three C x C maps, so each is orthogonalized on its
-        # own (as modded-nanogpt does), not the stack as one tall matrix. Taken from the model at every start,
-        # not from the checkpoint, so checkpoints of either layout resume.
-        self.qkv = {id(p) for p in qkv}
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -1020,7 +995,9 @@ class Muon(torch.optim.Optimizer):
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - group["momentum"])
                 update = p.grad.lerp(buf, group["momentum"])  # Nesterov
-                blocks = update.view(3 if id(p) in self.qkv else 1, -1, p.size(-1))  # (3, C, C) for Q, K, V
+                # the fused (3C x C) attention weights are three C x C maps, Q, K and V: each is orthogonalized on
+                # its own (as modded-nanogpt does), not the stack as one tall matrix
+                blocks = update.view(3 if p.size(0) == 3 * p.size(1) else 1, -1, p.size(1))
                 blocks = zeropower_via_newtonschulz5(blocks, group["ns_steps"])
                 # a tall block is scaled up to the per-entry size of a square one: sqrt(rows / cols), as modded-nanogpt
                 scale = max(1, blocks.size(-2) / blocks.size(-1)) ** 0.5
@@ -1031,32 +1008,25 @@ class Muon(torch.optim.Optimizer):
 def make_optimizers(model, args, device_type):
     """AdamW (0.9, 0.95) with weight decay on the 2-D weights only; with --optimizer muon, Muon takes the
     2-D weights inside the blocks and AdamW keeps the embedding (tied with the head), biases and norms."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    hidden = [p for name, p in model.named_parameters() if p.dim() == 2 and ".h." in f".{name}"]
-    muon_params = hidden if args.optimizer == "muon" else []
-    muon_ids = {id(p) for p in muon_params}
-    decay = [p for p in params if p.dim() >= 2 and id(p) not in muon_ids]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [dict(params=decay, weight_decay=args.weight_decay), dict(params=no_decay, weight_decay=0.0)]
+    muon = [p for name, p in model.named_parameters() if args.optimizer == "muon" and p.dim() == 2 and ".h." in name]
+    adamw = [p for p in model.parameters() if all(p is not q for q in muon)]
+    groups = [dict(params=[p for p in adamw if p.dim() >= 2], weight_decay=args.weight_decay),
+              dict(params=[p for p in adamw if p.dim() < 2], weight_decay=0.0)]
     fused = device_type in ("cuda", "cpu")  # one kernel for all parameters: 6x faster than foreach on CPU
     optimizers = [torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)]
-    if muon_params:
-        qkv = [p for name, p in model.named_parameters() if name.endswith("attn.c_attn.weight") and id(p) in muon_ids]
-        optimizers.append(Muon(muon_params, lr=args.muon_lr, momentum=args.muon_momentum,
-                               weight_decay=args.muon_weight_decay, qkv=qkv))
-    for opt in optimizers:
-        for group in opt.param_groups:
-            group["base_lr"] = group["lr"]
+    if muon:
+        optimizers.append(Muon(muon, lr=args.muon_lr, momentum=args.muon_momentum, weight_decay=args.muon_weight_decay))
     return optimizers
 
 
 def set_schedule(optimizers, multiplier, step, args):
-    """Scale every optimizer's learning rates by the schedule's multiplier; Muon's momentum warms up from 0.85."""
+    """Every learning rate at its peak (--lr, --muon_lr) times the schedule's multiplier; Muon's momentum warms up
+    from 0.85."""
+    frac = min(1.0, step / max(1, args.muon_momentum_warmup))
     for opt in optimizers:
         for group in opt.param_groups:
-            group["lr"] = group["base_lr"] * multiplier
+            group["lr"] = (args.muon_lr if isinstance(opt, Muon) else args.lr) * multiplier
             if isinstance(opt, Muon):
-                frac = min(1.0, step / max(1, args.muon_momentum_warmup))
                 group["momentum"] = (1 - frac) * 0.85 + frac * args.muon_momentum
 # ---- end shared: optim ----
 
@@ -1092,34 +1062,22 @@ def autocast_dtype(dtype_arg, device_type, width=768):
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if device_type != "cpu":
         return torch.float32
-    bf16, fp32 = matmul_tflops(torch.bfloat16, width), matmul_tflops(torch.float32, width)
-    use_bf16 = torch.tensor(bf16 > fp32)
+    tflops = {}
+    for dtype in (torch.bfloat16, torch.float32):  # the MLP's matmul at about 1 GFLOP: the best of 3 after a warm-up
+        a, b = torch.randn(max(16, 2**27 // width**2), width, dtype=dtype), torch.randn(width, 4 * width, dtype=dtype)
+        seconds = []
+        for _ in range(4):
+            start = time.perf_counter()
+            a @ b
+            seconds.append(time.perf_counter() - start)
+        tflops[dtype] = 8 * a.size(0) * width**2 / min(seconds[1:]) / 1e12
+    use_bf16 = torch.tensor(tflops[torch.bfloat16] > tflops[torch.float32])
     if dist.is_initialized():
         dist.broadcast(use_bf16, 0)  # every rank takes rank 0's pick: ranks must train in one dtype
     dtype = torch.bfloat16 if use_bf16 else torch.float32
-    print0(f"dtype auto: {str(dtype)[6:]} (bf16 matmul {bf16:.3f} TFLOP/s vs fp32 {fp32:.3f})", file=sys.stderr)
+    print0(f"dtype auto: {str(dtype)[6:]} (bf16 matmul {tflops[torch.bfloat16]:.3f} TFLOP/s vs fp32 "
+           f"{tflops[torch.float32]:.3f})", file=sys.stderr)
     return dtype
-
-
-def matmul_tflops(dtype, width, reps=3):
-    """CPU matmul speed of the MLP's shape, (rows, width) x (width, 4 * width) at about 1 GFLOP: best of a few."""
-    rows = max(16, 2**27 // width**2)
-    a, b = torch.randn(rows, width, dtype=dtype), torch.randn(width, 4 * width, dtype=dtype)
-    a @ b  # warm-up: the library picks its kernel
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 8 * rows * width**2 / best / 1e12
-
-
-def use_compile(compile_arg, device_type):
-    """torch.compile: 2x on CPU and more on CUDA; inductor needs a C++ compiler on CPU, and MPS support is young."""
-    if compile_arg != "auto":
-        return compile_arg == "on"
-    import shutil
-    return device_type == "cuda" or (device_type == "cpu" and any(map(shutil.which, ("g++", "c++", "clang++"))))
 
 
 def autocast_context(device_type, dtype):
@@ -1214,35 +1172,30 @@ def filter_logits(logits, top_k=None, top_p=None):
     return logits
 
 
-def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
-    """Pick the next token from (B, V) logits: greedy at temperature 0, else sample from top-k / top-p."""
-    if temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    probs = F.softmax(filter_logits(logits.float() / temperature, top_k, top_p), dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator)
-
-
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, n_vocab, temperature=1.0, top_k=None, top_p=None, generator=None,
              use_cache=True, autocast_ctx=nullcontext()):
-    """Yield (B, 1) new tokens one at a time after the (B, T) prompt idx, never a padding id past n_vocab. With the
-    cache, one token per forward (a full context keeps its last half); without, the last block_size tokens each step."""
+    """Yield (B, 1) new tokens one at a time after the (B, T) prompt idx, never a padding id past n_vocab: greedy at
+    temperature 0, else sampled from the top_k / top_p. With the cache, one token per forward (a full context keeps
+    its last half); without, the last block_size tokens each step."""
     block_size = model.config.block_size
     kv_cache = KVCache(model.config.n_layer, block_size) if use_cache else None
     next_input = idx[:, -block_size:]
     for _ in range(max_new_tokens):
         with autocast_ctx:
-            logits, _ = model(next_input, kv_cache=kv_cache)
-        token = sample_next(logits[:, -1, :n_vocab], temperature, top_k, top_p, generator)
+            logits = model(next_input, kv_cache=kv_cache)[0][:, -1, :n_vocab].float()
+        if temperature == 0:
+            token = logits.argmax(dim=-1, keepdim=True)
+        else:
+            probs = F.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)
+            token = torch.multinomial(probs, num_samples=1, generator=generator)
         yield token
         idx = torch.cat([idx, token], dim=1)
-        if not use_cache:
-            next_input = idx[:, -block_size:]
-        elif kv_cache.pos < block_size:
-            next_input = token
-        else:
+        if use_cache and kv_cache.pos == block_size:
             kv_cache = KVCache(model.config.n_layer, block_size)
             next_input = idx[:, -(block_size // 2):]
+        else:
+            next_input = token if use_cache else idx[:, -block_size:]
 # ---- end shared: generate ----
 
 
@@ -1283,30 +1236,29 @@ def progress(iterable, desc):
 # ---- end shared: progress ----
 
 
-# ---- shared: files ----
-def prepare_out_dir(path, flag, lock=True):
-    """Create an output folder and (lock) take its .lock, refusing a folder that a live run writes into, before any
-    work starts. Then remove the *.tmp of a killed save: finished files are renamed from them, never the only copy."""
+# ---- shared: out_dir ----
+def prepare_out_dir(path, flag):
+    """Create an output folder and take its .lock, refusing a folder that a live run writes into, before any work
+    starts. Then remove the *.tmp of a killed save: finished files are renamed from them, never the only copy."""
     import errno
     import fcntl
     import socket
     try:
         os.makedirs(path, exist_ok=True)
-        fd = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT, 0o644) if lock else None
+        fd = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
         die(f"{flag} {path} cannot be created or written ({e.strerror}); give another folder or fix its permissions")
-    if lock:  # a POSIX lock is the kernel's: it goes with its process (SIGKILL, a crash); the fd stays open till then
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
-        except OSError as e:
-            if e.errno in (errno.EACCES, errno.EAGAIN):  # held: before the .tmp files go, a live run's save
-                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a run that is starting"
-                die(f"{flag} {path} is in use by a running run ({holder}); wait for it to end or stop it, "
-                    f"or give another {flag}")
-            print(f"{flag} {path}: this file system cannot lock files ({e.strerror}); a second run into it is not "
-                  f"refused", file=sys.stderr)  # ENOLCK & co: some network file systems
+    try:  # a POSIX lock is the kernel's: it goes with its process (SIGKILL, a crash); the fd stays open till then
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+    except OSError as e:
+        if e.errno in (errno.EACCES, errno.EAGAIN):  # held: before the .tmp files go, a live run's save
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a run that is starting"
+            die(f"{flag} {path} is in use by a running run ({holder}); wait for it to end or stop it, or give "
+                f"another {flag}")
+        print(f"{flag} {path}: this file system cannot lock files ({e.strerror}); a second run into it is not "
+              f"refused", file=sys.stderr)  # ENOLCK & co: some network file systems
     stale = [f for f in sorted(glob.glob(os.path.join(path, "*.tmp"))) if os.path.isfile(f)]
     for f in stale:
         os.remove(f)
@@ -1315,6 +1267,10 @@ def prepare_out_dir(path, flag, lock=True):
               f"{', '.join(os.path.basename(f) for f in stale)}")
 
 
+# ---- end shared: out_dir ----
+
+
+# ---- shared: files ----
 def write_file(path, write, fix):
     """Write a file whole or not at all: write(f) into path.tmp, fsync it, rename it over path (after a crash there
     is the old file or the new one, never a part). A failed write (a full disk, a quota) is one line naming the file,

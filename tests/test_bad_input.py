@@ -136,7 +136,7 @@ CASES = [
     case("mid-val_fraction-0", "mid_train.py", "--val_fraction", 0, expect="argument --val_fraction"),
     case("mid-val_fraction-1", "mid_train.py", "--val_fraction", 1, expect="argument --val_fraction"),
     case("mid-all-held-out", "mid_train.py", *MID, "--data", "chat:{tmp}/ok.jsonl", "--val_fraction", 0.9,
-         expect="no train conversations"),
+         expect="--val_fraction 0.9 held out"),
     case("export-out_dir-file", "export_hf.py", "--ckpt", "{tmp}/ckpt.pt", "--out_dir", "{tmp}/a_file",
          expect="is a file"),
 ]
