@@ -216,23 +216,62 @@ class GPT(nn.Module):
             torch.nn.init.zeros_(module.bias)
 
     def forward(self, idx, targets=None, kv_cache=None, reduction="mean"):
-        """Logits for every position; with targets (-1 where ignored), also the cross-entropy loss over the targets:
-        their mean, or with reduction="sum" their sum (0 where there are none), which training divides itself."""
+        """Logits for every position, or with targets (-1 where ignored) the cross-entropy loss over the targets
+        instead: their mean, or with reduction="sum" their sum (0 where there are none), which training divides itself.
+        Returns (logits, loss), the one not computed None."""
         start, T = kv_cache.pos if kv_cache is not None else 0, idx.size(1)
         assert start + T <= self.config.block_size, f"sequence of {start + T} is past the context {self.config.block_size}"
         x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(start, start + T, device=idx.device))
         for block in self.transformer.h:
             x = block(x, kv_cache)
-        logits = self.lm_head(self.transformer.ln_f(x))
+        x = self.transformer.ln_f(x)
         if kv_cache is not None:
             kv_cache.pos += T
-        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
-                                                            ignore_index=-1, reduction=reduction)
-        return logits, loss
+        if targets is None:
+            return self.lm_head(x), None
+        # training: the loss without the whole logits (ChunkedCrossEntropy, in the training scripts' "loss" block)
+        loss = ChunkedCrossEntropy.apply(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), torch.is_grad_enabled())
+        return None, loss if reduction == "sum" else loss / (targets >= 0).sum()
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
 # ---- end shared: model ----
+
+
+# ---- shared: loss ----
+LOSS_CHUNK = 2048  # rows of logits at a time in the training loss: a chunk of GPT-2's is 412 MB in fp32 (bench/head_loss.py)
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """The head's summed cross-entropy over the targets (-1: ignored), for a chunk of rows of x @ weight.T at a time,
+    so that the whole (rows, vocab) logits never exist at once. When training, the gradients (softmax - one-hot, back
+    through the matmul) are taken here while each chunk's logits are at hand, and backward only scales them: this is
+    liger-kernel's fused linear cross-entropy, in plain PyTorch so that it runs wherever torch does."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, training):
+        loss = torch.zeros((), device=x.device)
+        grad_x = torch.zeros_like(x) if training else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if training else None
+        for i in range(0, len(x), LOSS_CHUNK):
+            x_chunk, y = x[i: i + LOSS_CHUNK], targets[i: i + LOSS_CHUNK, None]
+            logits = (x_chunk @ weight.T).float()  # the matmul in autocast's dtype, as the plain head's
+            lse, ignored = logits.logsumexp(dim=1, keepdim=True), y < 0
+            loss += (lse - logits.gather(1, y.clamp(min=0))).masked_fill(ignored, 0).sum()
+            if training:  # d loss / d logits = softmax - one-hot, 0 where the target is ignored
+                grad = logits.sub_(lse).exp_().scatter_add_(1, y.clamp(min=0), torch.full_like(lse, -1.0))
+                grad = grad.masked_fill_(ignored, 0).to(x.dtype)
+                grad_x[i: i + LOSS_CHUNK] = grad @ weight
+                grad_weight += grad.T @ x_chunk
+        if training:
+            ctx.save_for_backward(grad_x, grad_weight.to(weight.dtype))
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_x, grad_weight = ctx.saved_tensors
+        return grad_x * grad_loss, grad_weight * grad_loss, None, None
+# ---- end shared: loss ----
 
 
 # ---- shared: pretrained ----

@@ -35,8 +35,9 @@ def one_error_line(proc):
 
 
 def test_out_of_memory_is_one_line_naming_the_micro_batch(shards, tmp_path):
-    # the logits of 32 x 1024 tokens alone are 6.6 GB in float32: more than the 4 GB of address space allowed
-    args = [*TINY, "--block_size", 1024, "--seq_len", 1024, "--micro_batch_size", 32, "--total_batch_size", 32768,
+    # the activations of 32 x 1024 tokens, 1024 wide, are several GB in float32: more than the 4 GB of address space
+    args = [*TINY, "--n_embd", 1024, "--block_size", 1024, "--seq_len", 1024, "--micro_batch_size", 32,
+            "--total_batch_size", 32768,
             "--data_dir", shards, "--out_dir", tmp_path / "run", "--max_steps", 2, "--val_tokens", 32768]
     line = one_error_line(run_limited("train_gpt2.py", *args, limit=4 * 2**30))
     assert "out of CPU memory" in line and "--micro_batch_size 32 x --seq_len 1024" in line, line

@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 
 import numpy as np
 import pytest
@@ -430,3 +431,33 @@ def test_divergence_stops_at_once_and_keeps_the_good_checkpoints(shards, tmp_pat
     for name in ("ckpt_0000002.pt", "ckpt_0000004.pt", "ckpt_0000006.pt"):
         weights = torch.load(out / name, weights_only=True)["model"].values()
         assert all(torch.isfinite(w).all() for w in weights)
+
+
+@pytest.mark.parametrize("case", ["float32", "bfloat16", "compiled"])
+def test_chunked_loss_equals_the_plain_head(case, monkeypatch):
+    """The training loss never holds the whole logits: a chunk of rows at a time (here 48 of 2 x 64, so the last chunk
+    is short), its gradients taken in the forward. Loss and gradients equal those of the plain head (logits, then
+    cross_entropy) in the head (tied with the embedding), the final norm and the last block, ignored targets included."""
+    import torch.nn.functional as F
+    import train_gpt2
+    monkeypatch.setattr(train_gpt2, "LOSS_CHUNK", 48)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=32))
+    x, y = torch.randint(0, 50257, (2, 64)), torch.randint(0, 50257, (2, 64))
+    y[0, :10] = y[1, 30:] = -1  # ignored: a prompt, padding
+    params = [model.lm_head.weight, model.transformer.ln_f.weight, *model.transformer.h[-1].parameters()]
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if case == "bfloat16" else nullcontext()
+    forward = torch.compile(model) if case == "compiled" else model
+    with autocast:
+        plain = F.cross_entropy(model(x)[0].flatten(0, 1).float(), y.flatten(), ignore_index=-1, reduction="sum")
+    expected = torch.autograd.grad(plain, params)
+    with autocast:
+        chunked = forward(x, y, reduction="sum")[1]
+    got = torch.autograd.grad(chunked, params)
+    tolerance = 2e-2 if case == "bfloat16" else 1e-5
+    assert abs(chunked.item() - plain.item()) <= tolerance * plain.item()
+    for g, e in zip(got, expected):
+        assert (g - e).norm() <= tolerance * e.norm(), (case, (g - e).norm() / e.norm())
+    with torch.no_grad(), autocast:  # the mean, as evals take it: no gradient work
+        mean = model(x, y)[1]
+    assert abs(mean.item() - plain.item() / (y >= 0).sum().item()) <= tolerance * mean.item()
