@@ -390,19 +390,22 @@ class GPT(nn.Module):
             torch.nn.init.zeros_(module.bias)
 
     def forward(self, idx, targets=None, kv_cache=None, reduction="mean"):
-        """Logits for every position; with targets (-1 where ignored), also the cross-entropy loss over the targets:
-        their mean, or with reduction="sum" their sum (0 where there are none), which training divides itself."""
+        """Logits for every position, or with targets (-1 where ignored) the cross-entropy loss over the targets
+        instead: their mean, or with reduction="sum" their sum (0 where there are none), which training divides itself.
+        Returns (logits, loss), the one not computed None."""
         start, T = kv_cache.pos if kv_cache is not None else 0, idx.size(1)
         assert start + T <= self.config.block_size, f"sequence of {start + T} is past the context {self.config.block_size}"
         x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(start, start + T, device=idx.device))
         for block in self.transformer.h:
             x = block(x, kv_cache)
-        logits = self.lm_head(self.transformer.ln_f(x))
+        x = self.transformer.ln_f(x)
         if kv_cache is not None:
             kv_cache.pos += T
-        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
-                                                            ignore_index=-1, reduction=reduction)
-        return logits, loss
+        if targets is None:
+            return self.lm_head(x), None
+        # training: the loss without the whole logits (ChunkedCrossEntropy, in the training scripts' "loss" block)
+        loss = ChunkedCrossEntropy.apply(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), torch.is_grad_enabled())
+        return None, loss if reduction == "sum" else loss / (targets >= 0).sum()
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
@@ -490,21 +493,17 @@ def autocast_dtype(dtype_arg, device_type, width=768):
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if device_type != "cpu":
         return torch.float32
-    tflops = {}
+    import timeit
+    seconds = {}
     for dtype in (torch.bfloat16, torch.float32):  # the MLP's matmul at about 1 GFLOP: the best of 3 after a warm-up
         a, b = torch.randn(max(16, 2**27 // width**2), width, dtype=dtype), torch.randn(width, 4 * width, dtype=dtype)
-        seconds = []
-        for _ in range(4):
-            start = time.perf_counter()
-            a @ b
-            seconds.append(time.perf_counter() - start)
-        tflops[dtype] = 8 * a.size(0) * width**2 / min(seconds[1:]) / 1e12
-    use_bf16 = torch.tensor(tflops[torch.bfloat16] > tflops[torch.float32])
+        seconds[dtype] = min(timeit.repeat(lambda: a @ b, number=1, repeat=4)[1:])
+    use_bf16 = torch.tensor(seconds[torch.bfloat16] < seconds[torch.float32])
     if dist.is_initialized():
         dist.broadcast(use_bf16, 0)  # every rank takes rank 0's pick: ranks must train in one dtype
     dtype = torch.bfloat16 if use_bf16 else torch.float32
-    print0(f"dtype auto: {str(dtype)[6:]} (bf16 matmul {tflops[torch.bfloat16]:.3f} TFLOP/s vs fp32 "
-           f"{tflops[torch.float32]:.3f})", file=sys.stderr)
+    print0(f"dtype auto: {str(dtype)[6:]} (bf16 matmul {seconds[torch.bfloat16] * 1e3:.2f} ms vs fp32 "
+           f"{seconds[torch.float32] * 1e3:.2f} ms)", file=sys.stderr)
     return dtype
 
 

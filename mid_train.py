@@ -261,21 +261,18 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, targets, training):
-        loss = torch.zeros((), device=x.device)
-        grad_x = torch.zeros_like(x) if training else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if training else None
+        loss, grad_x = torch.zeros((), device=x.device), torch.zeros_like(x)
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32)  # summed over the chunks in fp32
         for i in range(0, len(x), LOSS_CHUNK):
             x_chunk, y = x[i: i + LOSS_CHUNK], targets[i: i + LOSS_CHUNK, None]
             logits = (x_chunk @ weight.T).float()  # the matmul in autocast's dtype, as the plain head's
-            lse, ignored = logits.logsumexp(dim=1, keepdim=True), y < 0
-            loss += (lse - logits.gather(1, y.clamp(min=0))).masked_fill(ignored, 0).sum()
+            lse, learned = logits.logsumexp(dim=1, keepdim=True), y >= 0
+            loss += ((lse - logits.gather(1, y.clamp(min=0))) * learned).sum()
             if training:  # d loss / d logits = softmax - one-hot, 0 where the target is ignored
-                grad = logits.sub_(lse).exp_().scatter_add_(1, y.clamp(min=0), torch.full_like(lse, -1.0))
-                grad = grad.masked_fill_(ignored, 0).to(x.dtype)
-                grad_x[i: i + LOSS_CHUNK] = grad @ weight
-                grad_weight += grad.T @ x_chunk
-        if training:
-            ctx.save_for_backward(grad_x, grad_weight.to(weight.dtype))
+                grad = logits.sub_(lse).exp_().scatter_add_(1, y.clamp(min=0), -torch.ones_like(lse)) * learned
+                grad_x[i: i + LOSS_CHUNK] = grad.to(x.dtype) @ weight
+                grad_weight += grad.to(x.dtype).T @ x_chunk
+        ctx.save_for_backward(grad_x, grad_weight)
         return loss
 
     @staticmethod
@@ -876,7 +873,7 @@ def main(argv=None):
             prompt = torch.tensor([render_for_reply(enc, [{"role": "user", "content": args.prompt}])], device=device)
             for i in range(args.num_samples):
                 reply = []
-                for token in generate(raw_model, prompt, args.sample_len, enc.n_vocab, top_k=50, generator=generator,
+                for token in generate(raw_model, prompt, args.sample_len, top_k_sampler(enc.n_vocab, 50, generator),
                                       autocast_ctx=autocast_ctx):
                     reply.append(token.item())
                     if reply[-1] in reply_end and not args.fsdp:  # FSDP: every rank runs all sample_len forwards
@@ -1369,21 +1366,17 @@ def autocast_dtype(dtype_arg, device_type, width=768):
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if device_type != "cpu":
         return torch.float32
-    tflops = {}
+    import timeit
+    seconds = {}
     for dtype in (torch.bfloat16, torch.float32):  # the MLP's matmul at about 1 GFLOP: the best of 3 after a warm-up
         a, b = torch.randn(max(16, 2**27 // width**2), width, dtype=dtype), torch.randn(width, 4 * width, dtype=dtype)
-        seconds = []
-        for _ in range(4):
-            start = time.perf_counter()
-            a @ b
-            seconds.append(time.perf_counter() - start)
-        tflops[dtype] = 8 * a.size(0) * width**2 / min(seconds[1:]) / 1e12
-    use_bf16 = torch.tensor(tflops[torch.bfloat16] > tflops[torch.float32])
+        seconds[dtype] = min(timeit.repeat(lambda: a @ b, number=1, repeat=4)[1:])
+    use_bf16 = torch.tensor(seconds[torch.bfloat16] < seconds[torch.float32])
     if dist.is_initialized():
         dist.broadcast(use_bf16, 0)  # every rank takes rank 0's pick: ranks must train in one dtype
     dtype = torch.bfloat16 if use_bf16 else torch.float32
-    print0(f"dtype auto: {str(dtype)[6:]} (bf16 matmul {tflops[torch.bfloat16]:.3f} TFLOP/s vs fp32 "
-           f"{tflops[torch.float32]:.3f})", file=sys.stderr)
+    print0(f"dtype auto: {str(dtype)[6:]} (bf16 matmul {seconds[torch.bfloat16] * 1e3:.2f} ms vs fp32 "
+           f"{seconds[torch.float32] * 1e3:.2f} ms)", file=sys.stderr)
     return dtype
 
 
@@ -1393,36 +1386,18 @@ def autocast_context(device_type, dtype):
 
 
 # ---- shared: generate ----
-def filter_logits(logits, top_k=None, top_p=None):
-    """Set to -inf every logit outside the top_k, and outside the smallest set whose probability reaches top_p."""
-    if top_k is not None and top_k < logits.size(-1):
-        kth = torch.topk(logits, top_k, dim=-1).values[:, [-1]]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = F.softmax(sorted_logits, dim=-1)
-        drop_sorted = probs.cumsum(dim=-1) - probs >= top_p  # the tokens before it already reach top_p
-        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
-    return logits
-
-
 @torch.no_grad()
-def generate(model, idx, max_new_tokens, n_vocab, temperature=1.0, top_k=None, top_p=None, generator=None,
-             use_cache=True, autocast_ctx=nullcontext()):
-    """Yield (B, 1) new tokens one at a time after the (B, T) prompt idx, never a padding id past n_vocab: greedy at
-    temperature 0, else sampled from the top_k / top_p. With the cache, one token per forward (a full context keeps
-    its last half); without, the last block_size tokens each step."""
+def generate(model, idx, max_new_tokens, pick, use_cache=True, autocast_ctx=nullcontext()):
+    """Yield (B, 1) new tokens one at a time after the (B, T) prompt idx, each chosen by pick(logits) from the last
+    position's logits (float). With the cache, one token per forward (a full context keeps its last half); without,
+    the last block_size tokens each step."""
     block_size = model.config.block_size
     kv_cache = KVCache(model.config.n_layer, block_size) if use_cache else None
     next_input = idx[:, -block_size:]
     for _ in range(max_new_tokens):
         with autocast_ctx:
-            logits = model(next_input, kv_cache=kv_cache)[0][:, -1, :n_vocab].float()
-        if temperature == 0:
-            token = logits.argmax(dim=-1, keepdim=True)
-        else:
-            probs = F.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)
-            token = torch.multinomial(probs, num_samples=1, generator=generator)
+            logits, _ = model(next_input, kv_cache=kv_cache)
+        token = pick(logits[:, -1].float())
         yield token
         idx = torch.cat([idx, token], dim=1)
         if use_cache and kv_cache.pos == block_size:
@@ -1430,6 +1405,15 @@ def generate(model, idx, max_new_tokens, n_vocab, temperature=1.0, top_k=None, t
             next_input = idx[:, -(block_size // 2):]
         else:
             next_input = token if use_cache else idx[:, -block_size:]
+
+
+def top_k_sampler(n_vocab, top_k, generator):
+    """A pick for generate(): a token sampled among the top_k likeliest of the tokenizer's n_vocab, never a padding id."""
+    def pick(logits):
+        logits = logits[:, :n_vocab]
+        logits = logits.masked_fill(logits < torch.topk(logits, top_k).values[:, [-1]], float("-inf"))
+        return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)
+    return pick
 # ---- end shared: generate ----
 
 

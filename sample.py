@@ -368,19 +368,22 @@ class GPT(nn.Module):
             torch.nn.init.zeros_(module.bias)
 
     def forward(self, idx, targets=None, kv_cache=None, reduction="mean"):
-        """Logits for every position; with targets (-1 where ignored), also the cross-entropy loss over the targets:
-        their mean, or with reduction="sum" their sum (0 where there are none), which training divides itself."""
+        """Logits for every position, or with targets (-1 where ignored) the cross-entropy loss over the targets
+        instead: their mean, or with reduction="sum" their sum (0 where there are none), which training divides itself.
+        Returns (logits, loss), the one not computed None."""
         start, T = kv_cache.pos if kv_cache is not None else 0, idx.size(1)
         assert start + T <= self.config.block_size, f"sequence of {start + T} is past the context {self.config.block_size}"
         x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(start, start + T, device=idx.device))
         for block in self.transformer.h:
             x = block(x, kv_cache)
-        logits = self.lm_head(self.transformer.ln_f(x))
+        x = self.transformer.ln_f(x)
         if kv_cache is not None:
             kv_cache.pos += T
-        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
-                                                            ignore_index=-1, reduction=reduction)
-        return logits, loss
+        if targets is None:
+            return self.lm_head(x), None
+        # training: the loss without the whole logits (ChunkedCrossEntropy, in the training scripts' "loss" block)
+        loss = ChunkedCrossEntropy.apply(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), torch.is_grad_enabled())
+        return None, loss if reduction == "sum" else loss / (targets >= 0).sum()
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())

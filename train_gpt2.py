@@ -250,21 +250,18 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, targets, training):
-        loss = torch.zeros((), device=x.device)
-        grad_x = torch.zeros_like(x) if training else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if training else None
+        loss, grad_x = torch.zeros((), device=x.device), torch.zeros_like(x)
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32)  # summed over the chunks in fp32
         for i in range(0, len(x), LOSS_CHUNK):
             x_chunk, y = x[i: i + LOSS_CHUNK], targets[i: i + LOSS_CHUNK, None]
             logits = (x_chunk @ weight.T).float()  # the matmul in autocast's dtype, as the plain head's
-            lse, ignored = logits.logsumexp(dim=1, keepdim=True), y < 0
-            loss += (lse - logits.gather(1, y.clamp(min=0))).masked_fill(ignored, 0).sum()
+            lse, learned = logits.logsumexp(dim=1, keepdim=True), y >= 0
+            loss += ((lse - logits.gather(1, y.clamp(min=0))) * learned).sum()
             if training:  # d loss / d logits = softmax - one-hot, 0 where the target is ignored
-                grad = logits.sub_(lse).exp_().scatter_add_(1, y.clamp(min=0), torch.full_like(lse, -1.0))
-                grad = grad.masked_fill_(ignored, 0).to(x.dtype)
-                grad_x[i: i + LOSS_CHUNK] = grad @ weight
-                grad_weight += grad.T @ x_chunk
-        if training:
-            ctx.save_for_backward(grad_x, grad_weight.to(weight.dtype))
+                grad = logits.sub_(lse).exp_().scatter_add_(1, y.clamp(min=0), -torch.ones_like(lse)) * learned
+                grad_x[i: i + LOSS_CHUNK] = grad.to(x.dtype) @ weight
+                grad_weight += grad.to(x.dtype).T @ x_chunk
+        ctx.save_for_backward(grad_x, grad_weight)
         return loss
 
     @staticmethod
@@ -346,22 +343,12 @@ def load_shard(path):
     return tokens
 
 
-SHARD_NAME = re.compile(r"(?:^|_)(train|val)(?:_\d+)?\.(?:bin|npy)$")  # [PREFIX_]train[_000001].bin, or val
-
-
 def find_shards(data_dir, split):
-    """The split's shards in name order. The split is the word right before the index (fineweb_train_000001.bin,
-    edufineweb_val_000000.npy), never "train" anywhere in the name: a val shard must never train."""
-    found = []
-    for f in sorted(glob.glob(os.path.join(data_dir, "*.bin")) + glob.glob(os.path.join(data_dir, "*.npy"))):
-        name = os.path.basename(f)
-        match = SHARD_NAME.search(name)
-        if match is None:
-            die(f"cannot tell whether {f} is a train or a val shard: name shards [PREFIX_]train_N.bin and "
-                f"[PREFIX_]val_N.bin (or .npy), with train or val as the word before the index")
-        if match.group(1) == split:
-            found.append(f)
-    return found
+    """The split's shards in name order: [PREFIX_]train[_N].bin, or val, or .npy (llm.c's and build-nanogpt's names).
+    The split is the word right before the index, never "train" anywhere in the name (pretrain_val_000000.bin is
+    val): a val shard must never train."""
+    shard = re.compile(rf"(^|_){split}(_\d+)?\.(bin|npy)$")
+    return sorted(f for f in glob.glob(os.path.join(data_dir, "*")) if shard.search(os.path.basename(f)))
 
 
 class ShardLoader:
@@ -612,8 +599,8 @@ def main(argv=None):
         if evaluate and args.num_samples and step > start_step and (master_process or args.fsdp):  # FSDP: all ranks forward
             generator = torch.Generator(device).manual_seed(args.seed + step)  # leaves the training RNG alone
             prompt = torch.tensor([enc.encode(args.prompt) or [EOT_TOKEN]] * args.num_samples, device=device)
-            tokens = torch.cat(list(generate(raw_model, prompt, args.sample_len, enc.n_vocab, top_k=50,
-                                             generator=generator, autocast_ctx=autocast_ctx)), dim=1)
+            pick = top_k_sampler(enc.n_vocab, 50, generator)
+            tokens = torch.cat(list(generate(raw_model, prompt, args.sample_len, pick, autocast_ctx=autocast_ctx)), 1)
             for i, row in enumerate(tokens.tolist()):
                 print0(f"---- sample {i} ----\n{args.prompt}{enc.decode(row)}")
 
@@ -1101,21 +1088,17 @@ def autocast_dtype(dtype_arg, device_type, width=768):
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if device_type != "cpu":
         return torch.float32
-    tflops = {}
+    import timeit
+    seconds = {}
     for dtype in (torch.bfloat16, torch.float32):  # the MLP's matmul at about 1 GFLOP: the best of 3 after a warm-up
         a, b = torch.randn(max(16, 2**27 // width**2), width, dtype=dtype), torch.randn(width, 4 * width, dtype=dtype)
-        seconds = []
-        for _ in range(4):
-            start = time.perf_counter()
-            a @ b
-            seconds.append(time.perf_counter() - start)
-        tflops[dtype] = 8 * a.size(0) * width**2 / min(seconds[1:]) / 1e12
-    use_bf16 = torch.tensor(tflops[torch.bfloat16] > tflops[torch.float32])
+        seconds[dtype] = min(timeit.repeat(lambda: a @ b, number=1, repeat=4)[1:])
+    use_bf16 = torch.tensor(seconds[torch.bfloat16] < seconds[torch.float32])
     if dist.is_initialized():
         dist.broadcast(use_bf16, 0)  # every rank takes rank 0's pick: ranks must train in one dtype
     dtype = torch.bfloat16 if use_bf16 else torch.float32
-    print0(f"dtype auto: {str(dtype)[6:]} (bf16 matmul {tflops[torch.bfloat16]:.3f} TFLOP/s vs fp32 "
-           f"{tflops[torch.float32]:.3f})", file=sys.stderr)
+    print0(f"dtype auto: {str(dtype)[6:]} (bf16 matmul {seconds[torch.bfloat16] * 1e3:.2f} ms vs fp32 "
+           f"{seconds[torch.float32] * 1e3:.2f} ms)", file=sys.stderr)
     return dtype
 
 
@@ -1198,36 +1181,18 @@ def evaluate_hellaswag(model, examples, enc, device, batch_size=8, autocast_ctx=
 
 
 # ---- shared: generate ----
-def filter_logits(logits, top_k=None, top_p=None):
-    """Set to -inf every logit outside the top_k, and outside the smallest set whose probability reaches top_p."""
-    if top_k is not None and top_k < logits.size(-1):
-        kth = torch.topk(logits, top_k, dim=-1).values[:, [-1]]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = F.softmax(sorted_logits, dim=-1)
-        drop_sorted = probs.cumsum(dim=-1) - probs >= top_p  # the tokens before it already reach top_p
-        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
-    return logits
-
-
 @torch.no_grad()
-def generate(model, idx, max_new_tokens, n_vocab, temperature=1.0, top_k=None, top_p=None, generator=None,
-             use_cache=True, autocast_ctx=nullcontext()):
-    """Yield (B, 1) new tokens one at a time after the (B, T) prompt idx, never a padding id past n_vocab: greedy at
-    temperature 0, else sampled from the top_k / top_p. With the cache, one token per forward (a full context keeps
-    its last half); without, the last block_size tokens each step."""
+def generate(model, idx, max_new_tokens, pick, use_cache=True, autocast_ctx=nullcontext()):
+    """Yield (B, 1) new tokens one at a time after the (B, T) prompt idx, each chosen by pick(logits) from the last
+    position's logits (float). With the cache, one token per forward (a full context keeps its last half); without,
+    the last block_size tokens each step."""
     block_size = model.config.block_size
     kv_cache = KVCache(model.config.n_layer, block_size) if use_cache else None
     next_input = idx[:, -block_size:]
     for _ in range(max_new_tokens):
         with autocast_ctx:
-            logits = model(next_input, kv_cache=kv_cache)[0][:, -1, :n_vocab].float()
-        if temperature == 0:
-            token = logits.argmax(dim=-1, keepdim=True)
-        else:
-            probs = F.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)
-            token = torch.multinomial(probs, num_samples=1, generator=generator)
+            logits, _ = model(next_input, kv_cache=kv_cache)
+        token = pick(logits[:, -1].float())
         yield token
         idx = torch.cat([idx, token], dim=1)
         if use_cache and kv_cache.pos == block_size:
@@ -1235,6 +1200,15 @@ def generate(model, idx, max_new_tokens, n_vocab, temperature=1.0, top_k=None, t
             next_input = idx[:, -(block_size // 2):]
         else:
             next_input = token if use_cache else idx[:, -block_size:]
+
+
+def top_k_sampler(n_vocab, top_k, generator):
+    """A pick for generate(): a token sampled among the top_k likeliest of the tokenizer's n_vocab, never a padding id."""
+    def pick(logits):
+        logits = logits[:, :n_vocab]
+        logits = logits.masked_fill(logits < torch.topk(logits, top_k).values[:, [-1]], float("-inf"))
+        return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)
+    return pick
 # ---- end shared: generate ----
 
 

@@ -228,8 +228,7 @@ def write_shard(path, tokens, magic=20240520, truncate=0):
         f.write(header.tobytes() + np.asarray(tokens, dtype=np.uint16).tobytes()[: len(tokens) * 2 - truncate])
 
 
-@pytest.mark.parametrize("case", ["missing_dir", "no_shards", "bad_magic", "truncated", "seq_len", "batch", "model",
-                                  "ambiguous_name"])
+@pytest.mark.parametrize("case", ["missing_dir", "no_shards", "bad_magic", "truncated", "seq_len", "batch", "model"])
 def test_bad_input_gives_one_line_error(case, shards, tmp_path):
     data = tmp_path / "data"
     data.mkdir()
@@ -239,7 +238,7 @@ def test_bad_input_gives_one_line_error(case, shards, tmp_path):
     flags = [*TINY, "--data_dir", data, "--out_dir", tmp_path / "out", "--max_steps", 1]
     expect = {"missing_dir": "is not a folder", "no_shards": "needs train and val shards", "bad_magic": "magic",
               "truncated": "truncated", "seq_len": "beyond the model's context", "batch": "not divisible",
-              "model": "invalid choice", "ambiguous_name": "cannot tell whether"}[case]
+              "model": "invalid choice"}[case]
     if case == "missing_dir":
         flags += ["--data_dir", tmp_path / "nowhere"]
     elif case == "no_shards":
@@ -255,8 +254,6 @@ def test_bad_input_gives_one_line_error(case, shards, tmp_path):
         flags += ["--total_batch_size", 1000]
     elif case == "model":
         flags += ["--model", "gpt3"]
-    elif case == "ambiguous_name":  # train and val both whole words: which split is it?
-        write_shard(data / "val_train_000002.bin", tokens)
     proc = run("train_gpt2.py", *flags)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
@@ -405,11 +402,11 @@ def test_dtype_auto_on_cpu_picks_the_faster_matmul_and_says_so(capsys):
     from train_gpt2 import autocast_dtype
     dtype = autocast_dtype("auto", "cpu", 64)
     line = capsys.readouterr().err
-    bf16, fp32 = map(float, re.search(r"bf16 matmul ([\d.]+) TFLOP/s vs fp32 ([\d.]+)", line).groups())
+    bf16, fp32 = map(float, re.search(r"bf16 matmul ([\d.]+) ms vs fp32 ([\d.]+) ms", line).groups())
     assert line.startswith(f"dtype auto: {str(dtype)[6:]} (")
     assert dtype in (torch.bfloat16, torch.float32)
-    if bf16 != fp32:  # the figures are rounded to 3 decimals
-        assert (dtype == torch.bfloat16) == (bf16 > fp32)
+    if bf16 != fp32:  # the figures are rounded to 2 decimals
+        assert (dtype == torch.bfloat16) == (bf16 < fp32)
     assert autocast_dtype("float32", "cpu") == torch.float32 and capsys.readouterr().err == ""  # no probe
 
 
