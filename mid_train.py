@@ -423,7 +423,8 @@ def load_source(kind, path):
             row = row.get("train", row)  # the hub's auxiliary_train nests its rows
             options = "\n".join(f"{letter}. {choice}" for letter, choice in zip("ABCD", row["choices"]))
             prompt = f"{row['question']}\n\n{options}\n\nAnswer with the letter of the correct choice."
-            messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": "ABCD"[int(row["answer"])]}]
+            answer = "ABCD"[int(row["answer"])]
+            messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
         conversations.append(check_conversation(messages, where))
     return conversations
 

@@ -64,7 +64,7 @@ def get_args(argv=None):
             f"which names a shard's split; set another --prefix")
     args.files = []
     for pattern in args.input:
-        matches = sorted(glob.glob(pattern, recursive=True))
+        matches = sorted(f for f in glob.glob(pattern, recursive=True) if os.path.isfile(f))
         if not matches:
             die(f"--input {pattern} matches no file; check the path or quote the glob")
         args.files += matches
@@ -309,7 +309,8 @@ def main(argv=None):
     # ---- tokenize in parallel, in order, and cut the stream into shards
     buffer = np.empty(args.shard_size, dtype=np.uint16)
     fill, t0 = 0, time.time()
-    for doc_index, tokens in enumerate(tokenized(itertools.islice(documents, start_doc, None), args.workers), start_doc):
+    documents = itertools.islice(documents, start_doc, None)  # the documents an earlier run put in shards left out
+    for doc_index, tokens in enumerate(tokenized(documents, args.workers), start_doc):
         offset = start_offset if doc_index == start_doc else 0  # part of it went into the last shard
         while offset < len(tokens) and len(shards) < max_shards:
             take = min(len(tokens) - offset, args.shard_size - fill)
@@ -331,8 +332,8 @@ def main(argv=None):
         die(f"the source gave {sum(s['tokens'] for s in shards):,} tokens, not enough for a val and a train shard; "
             f"lower --shard_size or give more text")
     save_manifest(complete)
-    print(f"done: {shards[-1]['end_doc']:,} documents, {sum(s['tokens'] for s in shards):,} tokens, {len(shards)} shards "
-          f"in {args.out_dir} ({time.time() - t0:.1f} s)")
+    print(f"done: {shards[-1]['end_doc']:,} documents, {sum(s['tokens'] for s in shards):,} tokens, "
+          f"{len(shards)} shards in {args.out_dir} ({time.time() - t0:.1f} s)")
 
 
 # -----------------------------------------------------------------------------
