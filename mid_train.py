@@ -49,8 +49,9 @@ HUB_SOURCES = {  # what `KIND:hub` loads through `datasets`
 }
 
 DEMO_PRESET = dict(  # train_gpt2.py --demo's model taught to answer questions about the stdlib, in 1-2 min on 2 cores
-    init_ckpt="out/demo", out_dir="out/mid", data=["chat:data/demo/chat.jsonl:2"], micro_batch_size=8, max_steps=60, lr=3e-3,
-    eval_every=20, save_every=1000, prompt="What does re.compile do?", sample_len=48,  # re.compile is held out
+    init_ckpt="out/demo", out_dir="out/mid", data=["chat:data/demo/chat.jsonl:2"],  # prepare_fineweb.py --demo's
+    micro_batch_size=8, max_steps=60, lr=3e-3, eval_every=20, save_every=1000,
+    prompt="What does re.compile do?", sample_len=48,  # re.compile is held out
     compile="off",  # a run of a few minutes does not earn back the minute torch.compile takes on a CPU
 )
 

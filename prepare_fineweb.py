@@ -130,8 +130,8 @@ def hub_documents(args):
 
 # the demo: the English of Python's standard library, and questions about its functions answered by their docstrings
 
-DEMO_SKIP = {"site-packages", "test", "tests", "idlelib", "lib2to3", "encodings", "pydoc_data"}  # tests, vendored
-# packages and data tables
+# folders left out: tests, vendored packages and data tables
+DEMO_SKIP = {"site-packages", "test", "tests", "idlelib", "lib2to3", "encodings", "pydoc_data"}
 DEMO_QUESTIONS = ("What does {} do?", "What is {} for?", "Explain {} in one sentence.", "Describe {} briefly.",
                   "Tell me what {} does.")
 DOCUMENTED = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)  # the nodes that have docstrings
