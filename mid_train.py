@@ -14,7 +14,6 @@ step's bookkeeping, checkpoints and resume, the log, Muon, devices and DDP/FSDP,
 """
 
 import argparse
-import ast
 import bisect
 import csv
 import glob
@@ -27,9 +26,7 @@ import random
 import re
 import signal
 import sys
-import sysconfig
 import time
-import zlib
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
@@ -52,8 +49,9 @@ HUB_SOURCES = {  # what `KIND:hub` loads through `datasets`
 }
 
 DEMO_PRESET = dict(  # train_gpt2.py --demo's model taught to answer questions about the stdlib, in 1-2 min on 2 cores
-    init_ckpt="out/demo", out_dir="out/mid", data=["demo:stdlib:2"], micro_batch_size=8, max_steps=60, lr=3e-3,
-    eval_every=20, save_every=1000, prompt="What does re.compile do?", sample_len=48,  # re.compile is held out
+    init_ckpt="out/demo", out_dir="out/mid", data=["chat:data/demo/chat.jsonl:2"],  # prepare_fineweb.py --demo's
+    micro_batch_size=8, max_steps=60, lr=3e-3, eval_every=20, save_every=1000,
+    prompt="What does re.compile do?", sample_len=48,  # re.compile is held out
     compile="off",  # a run of a few minutes does not earn back the minute torch.compile takes on a CPU
 )
 
@@ -66,8 +64,7 @@ def get_args(argv=None):
     p.add_argument("--init_from", choices=list(MODEL_SIZES), help="start from OpenAI's weights (needs transformers)")
     p.add_argument("--data", nargs="+", default=["chat:hub", "mmlu:hub", "gsm8k:hub"],
                    help="sources KIND:PATH[:EPOCHS]; KIND chat (.jsonl of {messages} or bare message lists), gsm8k "
-                        "(.jsonl question/answer) or mmlu (.csv or folder of them); PATH `hub` loads it by name; "
-                        "demo:stdlib asks about the stdlib's documented functions (or demo:FOLDER of .py files)")
+                        "(.jsonl question/answer) or mmlu (.csv or folder of them); PATH `hub` loads it by name")
     p.add_argument("--val_fraction", type=ranged(float, 0, 1, low_open=True, high_open=True), default=0.02,
                    help="share of each source held out for val (0 would leave no val split, 1 no train data)")
     p.add_argument("--train_on", default="assistant", choices=["assistant", "all"],
@@ -110,7 +107,7 @@ def get_args(argv=None):
     p.add_argument("--wandb_run_name", help="wandb run name")
     p.add_argument("--demo", action="store_true",
                    help="preset: out/demo (train_gpt2.py --demo) midtrained on questions about the Python stdlib's "
-                        "functions into out/mid, offline")
+                        "functions (data/demo/chat.jsonl, from prepare_fineweb.py --demo) into out/mid, offline")
     args = p.parse_args(argv)
     if args.demo:  # the preset changes the defaults; flags given explicitly still win
         p.set_defaults(**{k: v for k, v in DEMO_PRESET.items() if not (k == "init_ckpt" and args.init_from)})
@@ -121,6 +118,8 @@ def get_args(argv=None):
         args.init_ckpt = os.path.normpath(args.init_ckpt)
     if args.resume:
         args = resume_args(args, argv, fixed=("init_ckpt", "init_from", "optimizer", "seed", "val_fraction"))
+    if args.demo and args.data == DEMO_PRESET["data"] and not os.path.exists("data/demo/chat.jsonl"):
+        die("--demo trains on data/demo/chat.jsonl, which is missing: run python prepare_fineweb.py --demo first")
     if args.demo and not args.resume and args.init_ckpt and not glob.glob(os.path.join(args.init_ckpt, CHECKPOINT_GLOB)):
         die(f"--demo starts from {args.init_ckpt}, which holds no checkpoint: run python train_gpt2.py --demo first")
     return args
@@ -367,15 +366,13 @@ def render_for_reply(enc, messages):
 
 
 def parse_source(spec):
-    kind, _, rest = spec.partition(":")
-    path, epochs = rest, 1
-    if re.fullmatch(r".+:\d+", rest):
-        path, epochs = rest.rsplit(":", 1)
-        epochs = int(epochs)
+    """KIND:PATH[:EPOCHS], a source of --data."""
+    match = re.fullmatch(r"(\w+):(.+?)(?::(\d+))?", spec)
+    if not match or match[1] not in HUB_SOURCES:
+        die(f"--data {spec}: expected KIND:PATH[:EPOCHS] with KIND one of {', '.join(HUB_SOURCES)}")
+    kind, path, epochs = match[1], match[2], int(match[3] or 1)
     if epochs < 1:
         die(f"--data {spec}: EPOCHS must be 1 or more")
-    if kind not in (*HUB_SOURCES, "demo") or not path:
-        die(f"--data {spec}: expected KIND:PATH[:EPOCHS] with KIND one of {', '.join(HUB_SOURCES)}, demo")
     return kind, path, epochs
 
 
@@ -398,32 +395,21 @@ def check_conversation(messages, where):
     return messages
 
 
-def gsm8k_conversation(row):
-    answer = re.sub(r"<<[^>]*>>", "", row["answer"])  # drop the calculator annotations, keep "#### <number>"
-    return [{"role": "user", "content": row["question"]}, {"role": "assistant", "content": answer}]
-
-
-def mmlu_conversation(question, choices, answer):
-    letters = "ABCD"
-    options = "\n".join(f"{letter}. {choice}" for letter, choice in zip(letters, choices))
-    prompt = f"{question}\n\n{options}\n\nAnswer with the letter of the correct choice."
-    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": letters[int(answer)]}]
-
-
 def read_jsonl(path):
+    """(row, where) of a .jsonl file."""
     with open(path, "rb") as f:
         for line_no, line in enumerate(f, 1):
             if line.strip():
                 try:
-                    yield json.loads(line.decode("utf-8")), f"{path}:{line_no}"
-                except UnicodeDecodeError:
-                    die(f"{path}:{line_no} is not UTF-8 text; convert the file to UTF-8")
-                except ValueError:
-                    die(f"{path}:{line_no} is not valid JSON; fix or remove that line")
+                    row = json.loads(line)
+                except ValueError as e:  # bad JSON, or bytes that are not UTF-8
+                    die(f"{path}:{line_no} is not valid JSON in UTF-8 ({e}); fix or remove that line")
+                yield row, f"{path}:{line_no}"
 
 
 def read_mmlu_csv(path):
-    """MMLU rows: with a header (question, choice0..3, answer 0-3) or hendrycks' headerless (..., A-D)."""
+    """(row, where) of an MMLU .csv: with a header (question, choice0..3, answer 0-3) or hendrycks' headerless
+    (..., A-D)."""
     with open(path, "rb") as f:
         data = f.read()
     try:
@@ -435,138 +421,42 @@ def read_mmlu_csv(path):
     if rows and rows[0][0] == "question":
         rows = rows[1:]
     for line_no, row in enumerate(rows, 2):
-        if len(row) != 6 or row[5] not in ("A", "B", "C", "D", "0", "1", "2", "3"):
+        if len(row) != 6 or row[5] not in list("ABCD0123"):
             die(f"{path}: row {line_no} is not question, 4 choices and the answer (0-3 or A-D)")
-        answer = "ABCD".index(row[5]) if row[5] in "ABCD" else int(row[5])
-        yield mmlu_conversation(row[0], row[1:5], answer)
-
-
-# demo: questions about Python's standard library, answered by its docstrings
-
-DEMO_QUESTIONS = ("What does {} do?", "What is {} for?", "Explain {} in one sentence.", "Describe {} briefly.",
-                  "Tell me what {} does.")
-DEMO_SKIP = {"site-packages", "test", "tests", "idlelib", "lib2to3", "encodings", "pydoc_data", "turtledemo",
-             "ensurepip"}  # tests, vendored packages and data tables: few docstrings worth asking about
-
-
-def stable_hash(text):
-    return zlib.crc32(text.encode())  # the same on every run and machine, unlike hash()
-
-
-def first_sentence(doc):
-    """The first sentence of a docstring's first paragraph, on one line."""
-    paragraph = " ".join(doc.strip().split("\n\n")[0].split())
-    end = re.search(r"(?<=[.!?])\s", paragraph)
-    return paragraph[: end.start()] if end else paragraph
-
-
-def stdlib_docs(root):
-    """(qualified name, first sentence of its docstring) for the public modules, classes, functions and methods in
-    the .py files under root, sorted; and the files that did not parse. Read with ast: nothing is imported or run."""
-    defs = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
-    docs, unparsed = {}, []
-    for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
-        parts = os.path.relpath(path, root)[:-3].split(os.sep)
-        parts = parts[:-1] if parts[-1] == "__init__" else parts
-        if not parts or set(parts) & DEMO_SKIP or not all(p.isidentifier() and p[0] != "_" for p in parts):
-            continue
-        try:
-            with open(path, encoding="utf-8") as f:
-                tree = ast.parse(f.read())
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            unparsed.append(path)
-            continue
-        module = ".".join(parts)
-        nodes = [(module, tree)]
-        for node in tree.body:
-            if isinstance(node, defs) and not node.name.startswith("_"):
-                nodes.append((f"{module}.{node.name}", node))
-                if isinstance(node, ast.ClassDef):
-                    nodes += [(f"{module}.{node.name}.{sub.name}", sub) for sub in node.body
-                              if isinstance(sub, defs) and not sub.name.startswith("_")]
-        for name, node in nodes:
-            doc = ast.get_docstring(node)
-            sentence = first_sentence(doc) if doc else ""
-            if 3 <= len(sentence.split()) <= 40 and name not in docs:  # a sentence, not a word or a page
-                docs[name] = sentence
-    return sorted(docs.items()), unparsed
-
-
-def is_held_out(name):
-    """One name in 10, by a hash of the name: never trained on by mid_train.py --demo, asked by bench/chat_score.py."""
-    return stable_hash(name) % 10 == 0
-
-
-def demo_conversations(docs):
-    """"What does json.dumps do?" -> "Serialize ``obj`` to a JSON formatted ``str``.", the first sentence of its
-    docstring, in varied phrasings; 1 to 3 turns a conversation, so that follow-up questions are seen too."""
-    turns = [[{"role": "user", "content": DEMO_QUESTIONS[stable_hash(name) % len(DEMO_QUESTIONS)].format(name)},
-              {"role": "assistant", "content": sentence}] for name, sentence in docs]
-    rng = random.Random(0)
-    rng.shuffle(turns)
-    conversations, i = [], 0
-    while i < len(turns):
-        k = rng.choice((1, 1, 2, 3))
-        conversations.append([m for turn in turns[i: i + k] for m in turn])
-        i += k
-    return conversations
-
-
-def load_hub(kind):
-    try:
-        import datasets
-    except ImportError:
-        die(f"{kind}:hub needs datasets (pip install datasets); or give local files, e.g. --data {kind}:path")
-    name, config, split = HUB_SOURCES[kind]
-    if not hub_reachable():
-        die(f"cannot reach the Hugging Face hub for {kind}:hub; offline, give local files, e.g. --data {kind}:path")
-    for row in datasets.load_dataset(name, config, split=split):
-        if kind == "chat":
-            yield row["messages"]
-        elif kind == "gsm8k":
-            yield gsm8k_conversation(row)
-        else:
-            row = row.get("train", row)  # auxiliary_train nests its rows
-            yield mmlu_conversation(row["question"], row["choices"], row["answer"])
-
-
-def load_demo(path):
-    """demo:stdlib (or demo:FOLDER of .py files): questions about its functions, the held-out ones left out."""
-    root = sysconfig.get_paths()["stdlib"] if path == "stdlib" else path
-    if not os.path.isdir(root):
-        die(f"--data demo:{path}: no such folder; give demo:stdlib or a folder of .py files")
-    docs, unparsed = stdlib_docs(root)
-    if unparsed:
-        print(f"demo: {len(unparsed)} .py files under {root} do not parse and are left out, e.g. {unparsed[0]}")
-    train = [(name, sentence) for name, sentence in docs if not is_held_out(name)]
-    if not train:
-        die(f"--data demo:{path}: no documented public functions in the .py files under {root}")
-    print(f"demo: {len(train):,} documented names under {root} to ask about, {len(docs) - len(train):,} held out")
-    return demo_conversations(train)
+        answer = "ABCD0123".index(row[5]) % 4  # A-D or 0-3
+        yield dict(question=row[0], choices=row[1:5], answer=answer), f"{path} row {line_no}"
 
 
 def load_source(kind, path):
     """The conversations of one source, each checked."""
-    if kind == "demo":
-        return load_demo(path)
     if path == "hub":
-        return [check_conversation(c, f"{kind}:hub row {i}") for i, c in enumerate(load_hub(kind))]
-    files = sorted(glob.glob(os.path.join(path, "*.csv" if kind == "mmlu" else "*.jsonl"))) if os.path.isdir(path) else [path]
-    if not files or not all(os.path.isfile(f) for f in files):
-        die(f"--data {kind}:{path}: no such file or folder of {'.csv' if kind == 'mmlu' else '.jsonl'} files")
+        if not hub_reachable():
+            die(f"cannot reach the Hugging Face hub for {kind}:hub; offline, give local files, e.g. --data {kind}:path")
+        import datasets
+        name, config, split = HUB_SOURCES[kind]
+        rows = ((row, f"{kind}:hub row {i}") for i, row in enumerate(datasets.load_dataset(name, config, split=split)))
+    else:
+        pattern = "*.csv" if kind == "mmlu" else "*.jsonl"
+        files = sorted(glob.glob(os.path.join(path, pattern))) if os.path.isdir(path) else [path]
+        if not files or not all(os.path.isfile(f) for f in files):
+            die(f"--data {kind}:{path}: no such file or folder of {pattern} files")
+        rows = itertools.chain.from_iterable(read_mmlu_csv(f) if kind == "mmlu" else read_jsonl(f) for f in files)
     conversations = []
-    for f in files:
-        if kind == "mmlu":
-            conversations += [check_conversation(c, f) for c in read_mmlu_csv(f)]
-            continue
-        for row, where in read_jsonl(f):
-            if kind == "gsm8k":
-                if not isinstance(row, dict) or not all(isinstance(row.get(k), str) for k in ("question", "answer")):
-                    die(f"{where}: a GSM8K row needs question and answer, both strings")
-                messages = gsm8k_conversation(row)
-            else:
-                messages = row.get("messages") if isinstance(row, dict) else row
-            conversations.append(check_conversation(messages, where))
+    for row, where in rows:
+        if kind == "chat":  # {"messages": [...]} or the bare list
+            messages = row.get("messages") if isinstance(row, dict) else row
+        elif kind == "gsm8k":
+            if not isinstance(row, dict) or not all(isinstance(row.get(k), str) for k in ("question", "answer")):
+                die(f"{where}: a GSM8K row needs question and answer, both strings")
+            answer = re.sub(r"<<[^>]*>>", "", row["answer"])  # drop the calculator annotations, keep "#### <number>"
+            messages = [{"role": "user", "content": row["question"]}, {"role": "assistant", "content": answer}]
+        else:
+            row = row.get("train", row)  # the hub's auxiliary_train nests its rows
+            options = "\n".join(f"{letter}. {choice}" for letter, choice in zip("ABCD", row["choices"]))
+            prompt = f"{row['question']}\n\n{options}\n\nAnswer with the letter of the correct choice."
+            answer = "ABCD"[int(row["answer"])]
+            messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+        conversations.append(check_conversation(messages, where))
     return conversations
 
 
@@ -577,18 +467,15 @@ def pack_rows(conversations, capacity):
     rows, free, cropped = [], [], 0  # free: sorted (room left, row) of rows that can take more
     for i in order:
         length = len(conversations[i][0])
-        if length >= capacity:
-            cropped += length > capacity
-            rows.append([i])
-            continue
+        cropped += length > capacity
         slot = bisect.bisect_left(free, (length, -1))
-        if slot == len(free):
+        if slot == len(free):  # no open row has the room (none has for a conversation of capacity or more)
             rows.append([])
             room, row = capacity, len(rows) - 1
         else:
             room, row = free.pop(slot)
         rows[row].append(i)
-        if room - length > 0:
+        if room > length:
             bisect.insort(free, (room - length, row))
     return rows, cropped
 
@@ -627,17 +514,16 @@ def build_data(args, enc, capacity):
     splits = {}
     train_epochs = [[item for item, n in train if n > epoch] for epoch in range(max((n for _, n in train), default=1))]
     for name, parts in (("train", train_epochs), ("val", [val])):
-        tokens, mask, count, cropped = [], [], 0, 0
+        arrays, cropped = [], 0
         for epoch, items in enumerate(parts):
             rng = random.Random(args.seed + 1 + epoch)
             rng.shuffle(items)
             rows, crops = pack_rows(items, capacity)
             rng.shuffle(rows)
-            tokens_e, mask_e = rows_to_arrays(rows, items, capacity)
-            tokens.append(tokens_e)
-            mask.append(mask_e)
-            count, cropped = count + len(items), cropped + crops
-        splits[name] = (np.concatenate(tokens), np.concatenate(mask), count, cropped)
+            arrays.append(rows_to_arrays(rows, items, capacity))
+            cropped += crops
+        splits[name] = (np.concatenate([tokens for tokens, _ in arrays]), np.concatenate([mask for _, mask in arrays]),
+                        sum(len(items) for items in parts), cropped)
     return splits
 
 

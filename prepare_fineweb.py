@@ -3,7 +3,8 @@ Tokenize text into the token shards that train_gpt2.py reads (llm.c .bin format,
 
 FineWeb-Edu 10BT from the hub:  python prepare_fineweb.py
 Your own files, offline:        python prepare_fineweb.py --input 'corpus/*.jsonl' --out_dir data/mine
-Offline demo corpus:            python prepare_fineweb.py --demo   (the English of Python's standard library)
+Offline demo:                   python prepare_fineweb.py --demo   (the English of Python's standard library, and
+                                questions about its functions in data/demo/chat.jsonl, for mid_train.py --demo)
 
 Shards are written to a temp file and renamed, with progress in manifest.json, so an interrupted run picks up
 where it stopped when run again with the same flags.
@@ -11,7 +12,6 @@ where it stopped when run again with the same flags.
 
 import argparse
 import ast
-import collections
 import glob
 import itertools
 import json
@@ -23,24 +23,26 @@ import signal
 import sys
 import sysconfig
 import time
+import zlib
 
 import numpy as np
 
 HUB_DATASETS = {"fineweb-edu": "HuggingFaceFW/fineweb-edu", "fineweb": "HuggingFaceFW/fineweb"}
 DOCS_PER_TASK = 256  # documents a worker tokenizes at a time
-SHARD_MAGIC, SHARD_VERSION = 20240520, 1
+RESUME_FIX = "free space (or give another --out_dir), then run the same command again: it goes on after the last whole shard"
 
 
 def get_args(argv=None):
     p = argparse.ArgumentParser(description="Tokenize FineWeb(-Edu) or local text into llm.c .bin token shards.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.error = die
-    p.add_argument("--dataset", default="fineweb-edu", choices=list(HUB_DATASETS), help="hub dataset to stream")
+    p.add_argument("--dataset", default="fineweb-edu", choices=HUB_DATASETS, help="hub dataset to stream")
     p.add_argument("--sample", default="10BT", choices=["10BT", "100BT", "350BT"], help="which sample of it")
     p.add_argument("--hf_dataset", help="any `datasets` name or local folder to stream instead (split train)")
-    p.add_argument("--input", nargs="+", help="local .txt (a document per file), .jsonl or .parquet paths or globs")
+    p.add_argument("--input", nargs="+", default=[],
+                   help="local .txt (a document per file), .jsonl or .parquet paths or globs")
     p.add_argument("--text_field", default="text", help="field holding the text in .jsonl/.parquet/datasets rows")
-    p.add_argument("--out_dir", help="where shards go (default data/<dataset>-<sample>, or data/demo with --demo)")
+    p.add_argument("--out_dir", help="where shards go (default data/<dataset>-<sample>)")
     p.add_argument("--prefix", help="shard file name prefix (default: the out_dir's name)")
     p.add_argument("--shard_size", type=ranged(int, 1, 2**31 - 1), default=100_000_000,
                    help="tokens per shard (at most 2^31 - 1, the header's int32 count)")
@@ -48,43 +50,53 @@ def get_args(argv=None):
     p.add_argument("--workers", type=ranged(int, 1, 1024), default=os.cpu_count(),
                    help="tokenizer processes, one a core")
     p.add_argument("--demo", action="store_true",
-                   help="tokenize the Python standard library's docstrings and reference topics into data/demo "
-                        "(offline, for train_gpt2.py --demo)")
+                   help="preset, offline: the Python standard library's docstrings and reference topics into data/demo "
+                        "in shards of 65,536 tokens, for train_gpt2.py --demo, and questions about its functions into "
+                        "data/demo/chat.jsonl, for mid_train.py --demo")
     args = p.parse_args(argv)
-    if args.demo:
-        args.out_dir = args.out_dir or "data/demo"
-        args.shard_size = 65_536 if args.shard_size == p.get_default("shard_size") else args.shard_size  # of 373K
+    if args.demo:  # the preset changes the defaults; flags given explicitly still win
+        p.set_defaults(out_dir="data/demo", shard_size=65_536)  # of 373K tokens
+        args = p.parse_args(argv)
     args.out_dir = args.out_dir or f"data/{args.dataset}-{args.sample}"
     args.prefix = args.prefix or os.path.basename(os.path.normpath(args.out_dir))
     if {"train", "val"} & set(re.split(r"[_.]", args.prefix)):  # train_gpt2.py tells the split by that word
         die(f"the shard name prefix '{args.prefix}' (from --prefix or the out_dir's name) holds the word train or val, "
             f"which names a shard's split; set another --prefix")
+    args.files = []
+    for pattern in args.input:
+        matches = sorted(f for f in glob.glob(pattern, recursive=True) if os.path.isfile(f))
+        if not matches:
+            die(f"--input {pattern} matches no file; check the path or quote the glob")
+        args.files += matches
+    for f in args.files:
+        if not f.endswith((".txt", ".md", ".py", ".jsonl", ".parquet")):
+            die(f"{f}: unknown file type; --input takes .txt (or .md, .py), .jsonl or .parquet")
     return args
 
 
 # -----------------------------------------------------------------------------
-# sources: each yields the documents' texts in a fixed order
-
-
-def expand_inputs(patterns):
-    files = []
-    for pattern in patterns:
-        matches = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
-        matches = [m for m in matches if os.path.isfile(m)]
-        if not matches:
-            die(f"--input {pattern} matches no file; check the path or quote the glob")
-        files += matches
-    for f in files:
-        if not f.endswith((".txt", ".md", ".py", ".jsonl", ".parquet")):
-            die(f"{f}: unknown file type; --input takes .txt (or .md, .py), .jsonl or .parquet")
-    return files
+# sources: each gives the documents' texts in a fixed order
 
 
 def local_documents(files, text_field, not_utf8):
     """Documents of local files: a .txt (.md, .py) file is one; a .jsonl or .parquet file has one per row."""
     for path in files:
         try:
-            if not path.endswith((".jsonl", ".parquet")):
+            if path.endswith(".jsonl"):
+                with open(path, "rb") as f:
+                    for line_no, line in enumerate(f, 1):
+                        if line.strip():
+                            try:
+                                row = json.loads(line)
+                            except ValueError as e:  # bad JSON, or bytes that are not UTF-8
+                                die(f"{path}:{line_no} is not valid JSON in UTF-8 ({e}); fix or remove that line")
+                            yield row_text(row, text_field, f"{path}:{line_no}")
+            elif path.endswith(".parquet"):
+                import pyarrow.parquet as pq
+                batches = pq.ParquetFile(path).iter_batches(columns=[text_field])
+                for row_no, row in enumerate(row for batch in batches for row in batch.to_pylist()):
+                    yield row_text(row, text_field, f"{path} row {row_no}")
+            else:
                 with open(path, "rb") as f:
                     data = f.read()
                 try:
@@ -92,27 +104,6 @@ def local_documents(files, text_field, not_utf8):
                 except UnicodeDecodeError:  # web text often has a few such bytes: U+FFFD, and main reports the file
                     not_utf8.append(path)
                     yield data.decode("utf-8", errors="replace")
-            elif path.endswith(".jsonl"):  # a row is data: one that is not UTF-8, or a text not a string, is an error
-                with open(path, "rb") as f:
-                    for line_no, line in enumerate(f, 1):
-                        if line.strip():
-                            try:
-                                row = json.loads(line.decode("utf-8"))
-                            except UnicodeDecodeError:
-                                die(f"{path}:{line_no} is not UTF-8 text; convert the file to UTF-8")
-                            except ValueError:
-                                die(f"{path}:{line_no} is not valid JSON; fix or remove that line")
-                            yield row_text(row, text_field, f"{path}:{line_no}")
-            else:
-                import pyarrow.parquet as pq
-                parquet = pq.ParquetFile(path)
-                if text_field not in parquet.schema_arrow.names:
-                    die(f"{path} has no column '{text_field}' (it has {parquet.schema_arrow.names}); set --text_field")
-                row = 0
-                for batch in parquet.iter_batches(columns=[text_field]):
-                    for text in batch.column(0).to_pylist():
-                        yield row_text({text_field: text}, text_field, f"{path} row {row}")
-                        row += 1
         except (OSError, ValueError) as e:
             die(f"cannot read {path} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); check the file")
 
@@ -120,40 +111,30 @@ def local_documents(files, text_field, not_utf8):
 def row_text(row, text_field, where):
     """The row's text, checked here in the main process: a bad row is then an error naming it, not a traceback
     from a tokenizer worker."""
-    if not isinstance(row, dict) or text_field not in row:
-        die(f"{where} has no field '{text_field}'; set --text_field")
-    if not isinstance(row[text_field], str):
-        die(f"{where}: '{text_field}' is {type(row[text_field]).__name__}, not a string; fix or remove that row")
-    return row[text_field]
+    text = row.get(text_field) if isinstance(row, dict) else None
+    if not isinstance(text, str):
+        die(f"{where} has no field '{text_field}' holding a string; set --text_field, or fix or remove that row")
+    return text
 
 
 def hub_documents(args):
     """Stream rows through `datasets`, so shards start at once and the set is never whole on disk."""
-    try:
-        import datasets
-    except ImportError:
-        die("streaming from the hub needs datasets: pip install datasets (or use --input with local files)")
-    if args.hf_dataset and os.path.isdir(args.hf_dataset):
-        dataset = datasets.load_dataset(args.hf_dataset, split="train", streaming=True)
-    else:
-        name = args.hf_dataset or HUB_DATASETS[args.dataset]
-        if not hub_reachable():
-            die(f"cannot reach the Hugging Face hub to stream {name}; offline, give local files with --input")
-        config = None if args.hf_dataset else f"sample-{args.sample}"
-        dataset = datasets.load_dataset(name, name=config, split="train", streaming=True)
-    for i, row in enumerate(dataset):
-        yield row_text(row, args.text_field, f"row {i} of {args.hf_dataset or args.dataset}")
+    import datasets
+    name = args.hf_dataset or HUB_DATASETS[args.dataset]
+    if not os.path.isdir(name) and not hub_reachable():
+        die(f"cannot reach the Hugging Face hub to stream {name}; offline, give local files with --input")
+    config = None if args.hf_dataset else f"sample-{args.sample}"
+    for i, row in enumerate(datasets.load_dataset(name, name=config, split="train", streaming=True)):
+        yield row_text(row, args.text_field, f"row {i} of {name}")
 
 
-def demo_files():
-    """The standard library's own .py files: a real corpus on every machine with Python, no download. Tests and
-    the modules that are mostly data tables are left out; a seeded shuffle mixes the rest into every shard."""
-    stdlib = sysconfig.get_paths()["stdlib"]
-    files = sorted(glob.glob(os.path.join(stdlib, "**", "*.py"), recursive=True))
-    skip = ("site-packages", "test", "tests", "idlelib", "lib2to3", "encodings", "pydoc_data")
-    files = [f for f in files if not set(os.path.relpath(f, stdlib).split(os.sep)[:-1]) & set(skip)]
-    random.Random(0).shuffle(files)
-    return files
+# the demo: the English of Python's standard library, and questions about its functions answered by their docstrings
+
+# folders left out: tests, vendored packages and data tables
+DEMO_SKIP = {"site-packages", "test", "tests", "idlelib", "lib2to3", "encodings", "pydoc_data"}
+DEMO_QUESTIONS = ("What does {} do?", "What is {} for?", "Explain {} in one sentence.", "Describe {} briefly.",
+                  "Tell me what {} does.")
+DOCUMENTED = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)  # the nodes that have docstrings
 
 
 def reflow(text):
@@ -161,40 +142,74 @@ def reflow(text):
     out, runs of spaces made one, reST title underlines and table rules dropped."""
     # GPT-2's BPE spends a token on every newline and every space of a run, which a small model learns to emit first
     text = re.sub(r"(?m)^[ \t]*[-+=*~^|]{3,}[-+=*~^| \t]*$", "", text)  # title underlines, table rules
-    paragraphs = []
-    for para in re.split(r"\n(?:[ \t]*\n)+", text):
-        lines = [line for line in para.split("\n") if line[:1].strip() and not line.startswith(">>>")]
-        if lines:
-            paragraphs.append(re.sub(r"[ \t]+", " ", " ".join(lines)).strip())
-    return "\n".join(paragraphs)  # not a blank line: before a word, GPT-2 splits "\n\n" into two tokens
+    paragraphs = [" ".join(line for line in para.split("\n") if line[:1].strip() and not line.startswith(">>>"))
+                  for para in re.split(r"\n(?:[ \t]*\n)+", text)]
+    # not a blank line between paragraphs: before a word, GPT-2 splits "\n\n" into two tokens
+    return "\n".join(re.sub(r"[ \t]+", " ", para).strip() for para in paragraphs if para)
 
 
-def docstrings(source):
-    """A module's docstrings (the module's, then its classes' and functions'), the short ones left out."""
+def stdlib_texts():
+    """One walk over the standard library's .py files, read with ast (nothing is imported or run), for both demo
+    outputs: the corpus's documents (each module's docstrings, in a seeded shuffle that mixes them into every shard,
+    then the language reference topics, what help("for") prints); and (name, the first sentence of its docstring)
+    for the public modules, classes, functions and methods, sorted, to ask about."""
+    root = sysconfig.get_paths()["stdlib"]
+    documents, sentences = [], {}
+    for path in sorted(glob.glob("**/*.py", root_dir=root, recursive=True)):
+        parts = path[:-3].split(os.sep)
+        if set(parts[:-1]) & DEMO_SKIP:
+            continue
+        with open(os.path.join(root, path), "rb") as f:
+            tree = ast.parse(f.read())
+        docs = [ast.get_docstring(node) or "" for node in ast.walk(tree) if isinstance(node, DOCUMENTED)]
+        documents.append("\n".join(reflow(doc) for doc in docs if len(doc) > 20))
+
+        parts = parts[:-1] if parts[-1] == "__init__" else parts
+        if parts[0] in ("turtledemo", "ensurepip") or not all(p.isidentifier() and p[0] != "_" for p in parts):
+            continue  # asked about: the public names, the turtle demos and pip's installer left out
+        module = ".".join(parts)
+        named = [(module, tree)]
+        for node in tree.body:
+            if isinstance(node, DOCUMENTED) and not node.name.startswith("_"):
+                named.append((f"{module}.{node.name}", node))
+                if isinstance(node, ast.ClassDef):
+                    named += [(f"{module}.{node.name}.{sub.name}", sub) for sub in node.body
+                              if isinstance(sub, DOCUMENTED) and not sub.name.startswith("_")]
+        for name, node in named:
+            paragraph = " ".join((ast.get_docstring(node) or "").strip().split("\n\n")[0].split())
+            sentence = re.split(r"(?<=[.!?])\s", paragraph, maxsplit=1)[0]
+            if 3 <= len(sentence.split()) <= 40:  # a sentence, not a word or a page
+                sentences.setdefault(name, sentence)
+
+    random.Random(0).shuffle(documents)
     try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
-        return []
-    kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
-    return [doc for node in ast.walk(tree) if isinstance(node, kinds) and len(doc := ast.get_docstring(node) or "") > 20]
+        from pydoc_data.topics import topics
+    except ImportError:  # some Linux distributions package pydoc_data apart
+        topics = {}
+        print("no pydoc_data.topics: the demo corpus is the docstrings alone")
+    return [doc for doc in documents if doc] + [reflow(text) for text in topics.values()], sorted(sentences.items())
 
 
-def demo_documents(not_utf8):
-    """The demo corpus, English from the standard library: each module's docstrings as a document, then the
-    language reference topics of pydoc_data (what help("for") prints), paragraphs joined into lines."""
-    for source in local_documents(demo_files(), "text", not_utf8):
-        doc = "\n".join(reflow(d) for d in docstrings(source))
-        if doc:
-            yield doc
-    path = os.path.join(sysconfig.get_paths()["stdlib"], "pydoc_data", "topics.py")
-    topics = []  # some Linux distributions package pydoc_data apart
-    for source in local_documents([path] if os.path.isfile(path) else [], "text", not_utf8):
-        assigns = [node for node in ast.parse(source).body if isinstance(node, ast.Assign)]
-        topics = [node.value for node in assigns if any(getattr(t, "id", "") == "topics" for t in node.targets)]
-    if not topics:
-        print(f"no topics dict in {path}: the demo corpus is the docstrings alone")
-    for text in ast.literal_eval(topics[0]).values() if topics else []:
-        yield reflow(text)
+def is_held_out(name):
+    """One name in 10, by a hash of the name (crc32: the same on every run, unlike hash()): never trained on by
+    mid_train.py --demo, asked by bench/chat_score.py."""
+    return zlib.crc32(name.encode()) % 10 == 0
+
+
+def demo_chat(names):
+    """The chat.jsonl of mid_train.py --demo: "What does json.dumps do?" -> "Serialize ``obj`` to a JSON formatted
+    ``str``.", the first sentence of its docstring, in varied phrasings, about every name not held out; 1 to 3 turns
+    a conversation, so that follow-up questions are seen too."""
+    turns = [[{"role": "user", "content": DEMO_QUESTIONS[zlib.crc32(name.encode()) % len(DEMO_QUESTIONS)].format(name)},
+              {"role": "assistant", "content": sentence}] for name, sentence in names if not is_held_out(name)]
+    rng = random.Random(0)
+    rng.shuffle(turns)
+    lines = []
+    while turns:
+        k = rng.choice((1, 1, 2, 3))
+        lines.append(json.dumps({"messages": [message for turn in turns[:k] for message in turn]}) + "\n")
+        del turns[:k]
+    return "".join(lines)
 
 
 # -----------------------------------------------------------------------------
@@ -211,167 +226,114 @@ def init_worker():
 
 def tokenize_batch(docs):
     """Each document as uint16 tokens, preceded by <|endoftext|> so that documents are delimited."""
-    out = []
-    for tokens in _enc.encode_ordinary_batch(docs, num_threads=1):
-        arr = np.array([EOT_TOKEN] + tokens, dtype=np.int64)
-        assert arr.max() < 2**16, "token id does not fit uint16"
-        out.append(arr.astype(np.uint16))
-    return out
+    return [np.array([EOT_TOKEN] + _enc.encode_ordinary(doc), dtype=np.uint16) for doc in docs]
 
 
-RESUME_FIX = "free space (or give another --out_dir), then run the same command again: it goes on after the last whole shard"
-
-
-def write_shard(path, tokens):
-    header = np.zeros(256, dtype=np.int32)
-    header[:3] = SHARD_MAGIC, SHARD_VERSION, len(tokens)
-    write_file(path, lambda f: f.writelines([header.tobytes(), tokens.tobytes()]), RESUME_FIX)
-
-
-def write_manifest(path, manifest):
-    write_file(path, lambda f: f.write(json.dumps(manifest, indent=1).encode()), RESUME_FIX)
-
-
-def read_manifest(path):
-    """The progress an earlier run recorded, or None where there is none; a damaged manifest.json (a crash while
-    it was written) counts as no progress, so every shard is made again: a line says so."""
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path) as f:
-            manifest = json.load(f)
-        if not isinstance(manifest, dict) or not {"source", "shard_size", "shards", "tokens", "complete"} <= manifest.keys() \
-                or not all(isinstance(s, dict) and {"file", "tokens", "end_doc", "end_offset"} <= s.keys()
-                           for s in manifest["shards"]):
-            raise ValueError("not a manifest")
-    except (OSError, ValueError, TypeError) as e:
-        print(f"{path} is unreadable ({type(e).__name__}); its progress is lost, so the shards are made again "
-              f"from the first one", file=sys.stderr)
-        return None
-    return manifest
-
-
-def batched(iterable, n):
-    it = iter(iterable)
-    while batch := list(itertools.islice(it, n)):
-        yield batch
+def tokenized(documents, workers):
+    """Each document's tokens, in order: the documents are read here, in the main process, and tokenized by the
+    workers a batch at a time, at most two batches a worker ahead."""
+    with mp.Pool(workers, initializer=init_worker) as pool:
+        pending = []
+        while batch := list(itertools.islice(documents, DOCS_PER_TASK)):
+            pending.append(pool.apply_async(tokenize_batch, (batch,)))
+            if len(pending) > 2 * workers:
+                yield from pending.pop(0).get()
+        while pending:
+            yield from pending.pop(0).get()
 
 
 def main(argv=None):
     args = get_args(argv)
+    prepare_out_dir(args.out_dir, "--out_dir")
     not_utf8 = []  # .txt files whose non-UTF-8 bytes were replaced
     if args.demo:
         source = f"python stdlib docstrings and pydoc topics ({sysconfig.get_paths()['stdlib']})"
-        documents = demo_documents(not_utf8)
-    elif args.input:
-        files = expand_inputs(args.input)
+        documents, names = stdlib_texts()
+        chat = demo_chat(names)
+        write_file(os.path.join(args.out_dir, "chat.jsonl"), lambda f: f.write(chat.encode()), RESUME_FIX)
+        print(f"demo: questions about {len(names):,} documented names in chat.jsonl, one name in 10 held out")
+    elif args.files:
         source = f"local files: {' '.join(args.input)}"
-        documents = local_documents(files, args.text_field, not_utf8)
+        documents = local_documents(args.files, args.text_field, not_utf8)
     else:
         source = f"hub: {args.hf_dataset or HUB_DATASETS[args.dataset] + ' sample-' + args.sample}"
         documents = hub_documents(args)
 
-    # ---- pick up where an earlier run with the same flags stopped
-    prepare_out_dir(args.out_dir, "--out_dir")
+    # ---- pick up where an earlier run with the same flags stopped: its manifest.json lists the shards it wrote, and
+    # the token stream goes on after the longest prefix of them on disk and whole (a gap is made again, with the shards
+    # after it); a damaged manifest.json counts as no progress
     manifest_path = os.path.join(args.out_dir, "manifest.json")
-    manifest = dict(source=source, tokenizer="gpt2 (tiktoken)", eot_token=EOT_TOKEN, shard_size=args.shard_size,
-                    format="llm.c .bin: 256 int32 header (20240520, 1, num_tokens), then uint16 tokens",
-                    shards=[], documents=0, tokens=0, complete=False)
-    previous = read_manifest(manifest_path)
-    if previous is not None:
-        if (previous["source"], previous["shard_size"]) != (source, args.shard_size):
-            die(f"{args.out_dir} holds shards of another source or shard size; use another --out_dir or empty it")
-        done = []  # the longest prefix of shards 0..k-1 all on disk and whole: the token stream goes on from there
-        for shard in previous["shards"]:
-            path = os.path.join(args.out_dir, shard["file"])
-            if not os.path.exists(path) or os.path.getsize(path) != 256 * 4 + 2 * shard["tokens"]:
-                break
-            done.append(shard)
-        later = previous["shards"][len(done):]
-        if later:  # a gap: the shards after it would hold the wrong index, so they are made again
-            for shard in later:
-                if os.path.exists(os.path.join(args.out_dir, shard["file"])):
-                    os.remove(os.path.join(args.out_dir, shard["file"]))
-            print(f"{later[0]['file']} is missing or incomplete: making shard {len(done)} and the "
-                  f"{len(later) - 1} listed after it again")
-        manifest["shards"] = done
-        if previous["complete"] and len(done) == len(previous["shards"]):
-            print(f"all {len(done)} shards in {args.out_dir} are done already ({previous['tokens']:,} tokens)")
-            return
-        if done:
-            print(f"skipping {len(done)} finished shard(s) in {args.out_dir}")
-    start_doc, start_offset = (manifest["shards"][-1]["end_doc"], manifest["shards"][-1]["end_offset"]) \
-        if manifest["shards"] else (0, 0)
-    def enough():
-        return bool(args.max_shards) and len(manifest["shards"]) >= args.max_shards
-
-    if enough():
-        print(f"{len(manifest['shards'])} shards done already (--max_shards {args.max_shards})")
+    shards, complete, start_doc, start_offset = [], False, 0, 0
+    if os.path.exists(manifest_path):
+        try:
+            with open(manifest_path) as f:
+                previous = json.load(f)
+            if (previous["source"], previous["shard_size"]) != (source, args.shard_size):
+                die(f"{args.out_dir} holds shards of another source or shard size; use another --out_dir or empty it")
+            for shard in previous["shards"]:
+                path = os.path.join(args.out_dir, shard["file"])
+                if not os.path.isfile(path) or os.path.getsize(path) != 256 * 4 + 2 * shard["tokens"]:
+                    print(f"{shard['file']} is missing or incomplete: making shard {len(shards)} and the "
+                          f"{len(previous['shards']) - len(shards) - 1} listed after it again")
+                    break
+                shards.append(shard)
+                start_doc, start_offset = shard["end_doc"], shard["end_offset"]
+            else:
+                complete = previous["complete"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"{manifest_path} is unreadable ({type(e).__name__}); its progress is lost, so the shards are made "
+                  f"again from the first one", file=sys.stderr)
+            shards, start_doc, start_offset = [], 0, 0
+    max_shards = args.max_shards or float("inf")
+    if complete or len(shards) >= max_shards:
+        print(f"{len(shards)} shards in {args.out_dir} are done already ({sum(s['tokens'] for s in shards):,} tokens)")
         return
+    if shards:
+        print(f"skipping {len(shards)} finished shard(s) in {args.out_dir}")
 
-    # ---- tokenize in parallel, in order, and cut the stream into shards
-    from tqdm import tqdm
-
-    try:
-        buffer = np.empty(args.shard_size, dtype=np.uint16)
-    except MemoryError:
-        die(f"--shard_size {args.shard_size:,} needs {2 * args.shard_size / 2**30:.1f} GiB of memory, more than there is; "
-            f"lower it")
-    fill, doc_index, t0 = 0, start_doc, time.time()
-    progress = tqdm(unit="tok", unit_scale=True, desc="tokenizing", disable=None)
-    documents = itertools.islice(documents, start_doc, None)
+    def save_manifest(complete=False):
+        manifest = dict(source=source, tokenizer="gpt2 (tiktoken)", eot_token=EOT_TOKEN, shard_size=args.shard_size,
+                        format="llm.c .bin: 256 int32 header (20240520, 1, num_tokens), then uint16 tokens",
+                        shards=shards, documents=shards[-1]["end_doc"], tokens=sum(s["tokens"] for s in shards),
+                        complete=complete)
+        write_file(manifest_path, lambda f: f.write(json.dumps(manifest, indent=1).encode()), RESUME_FIX)
 
     def finish_shard(end_doc, end_offset):
-        index = len(manifest["shards"])
-        name = f"{args.prefix}_{'val' if index == 0 else 'train'}_{index:06d}.bin"
-        write_shard(os.path.join(args.out_dir, name), buffer[:fill])
-        manifest["shards"].append(dict(file=name, tokens=int(fill), end_doc=end_doc, end_offset=end_offset))
-        write_manifest(manifest_path, manifest)
+        name = f"{args.prefix}_{'val' if not shards else 'train'}_{len(shards):06d}.bin"
+        header = np.array([20240520, 1, fill] + [0] * 253, dtype=np.int32)  # llm.c's: magic, version, token count
+        write_file(os.path.join(args.out_dir, name), lambda f: f.writelines([header, buffer[:fill]]), RESUME_FIX)
+        shards.append(dict(file=name, tokens=fill, end_doc=end_doc, end_offset=end_offset))
+        save_manifest()
+        print(f"wrote {name} ({time.time() - t0:.0f} s)")
 
-    def add(doc_tokens):
-        nonlocal fill, doc_index
-        for tokens in doc_tokens:
-            offset = start_offset if doc_index == start_doc else 0  # part of it went into the last shard
-            while offset < len(tokens):
-                take = min(len(tokens) - offset, args.shard_size - fill)
-                buffer[fill: fill + take] = tokens[offset: offset + take]
-                fill, offset = fill + take, offset + take
-                progress.update(take)
-                if fill == args.shard_size:
-                    finish_shard(doc_index, offset)
-                    fill = 0
-                    if enough():
-                        return
-            doc_index += 1
-        progress.set_postfix(docs=doc_index, docs_per_s=f"{(doc_index - start_doc) / (time.time() - t0):.0f}")
-
-    # documents are read here, in the main process, and tokenized by the workers a batch at a time, in order
-    with mp.Pool(args.workers, initializer=init_worker) as pool:
-        pending = collections.deque()
-        for batch in batched(documents, DOCS_PER_TASK):
-            pending.append(pool.apply_async(tokenize_batch, (batch,)))
-            if len(pending) > 2 * args.workers:
-                add(pending.popleft().get())
-            if enough():
-                break
-        while pending and not enough():
-            add(pending.popleft().get())
-    progress.close()
+    # ---- tokenize in parallel, in order, and cut the stream into shards
+    buffer = np.empty(args.shard_size, dtype=np.uint16)
+    fill, t0 = 0, time.time()
+    documents = itertools.islice(documents, start_doc, None)  # the documents an earlier run put in shards left out
+    for doc_index, tokens in enumerate(tokenized(documents, args.workers), start_doc):
+        offset = start_offset if doc_index == start_doc else 0  # part of it went into the last shard
+        while offset < len(tokens) and len(shards) < max_shards:
+            take = min(len(tokens) - offset, args.shard_size - fill)
+            buffer[fill: fill + take] = tokens[offset: offset + take]
+            fill, offset = fill + take, offset + take
+            if fill == args.shard_size:
+                finish_shard(doc_index, offset)
+                fill = 0
+        if len(shards) == max_shards:
+            break
+    else:  # the whole source: the last shard may be short
+        if fill:
+            finish_shard(doc_index + 1, 0)
+        complete = True
     if not_utf8:
         print(f"{len(not_utf8)} text file(s) held bytes that are not UTF-8; they were read with those bytes replaced "
               f"by U+FFFD (first: {not_utf8[0]})", file=sys.stderr)
-    if fill and not enough():
-        finish_shard(doc_index, 0)
-    if len(manifest["shards"]) < 2:
-        die(f"the source gave {sum(s['tokens'] for s in manifest['shards']):,} tokens, not enough for a val and a "
-            f"train shard; lower --shard_size or give more text")
-
-    manifest["documents"] = manifest["shards"][-1]["end_doc"]
-    manifest["tokens"] = sum(s["tokens"] for s in manifest["shards"])
-    manifest["complete"] = not enough()
-    write_manifest(manifest_path, manifest)
-    print(f"done: {manifest['documents']:,} documents, {manifest['tokens']:,} tokens, {len(manifest['shards'])} shards "
-          f"in {args.out_dir} ({time.time() - t0:.1f} s)")
+    if len(shards) < 2:
+        die(f"the source gave {sum(s['tokens'] for s in shards):,} tokens, not enough for a val and a train shard; "
+            f"lower --shard_size or give more text")
+    save_manifest(complete)
+    print(f"done: {shards[-1]['end_doc']:,} documents, {sum(s['tokens'] for s in shards):,} tokens, "
+          f"{len(shards)} shards in {args.out_dir} ({time.time() - t0:.1f} s)")
 
 
 # -----------------------------------------------------------------------------
@@ -525,3 +487,5 @@ if __name__ == "__main__":
     except KeyboardInterrupt:  # Ctrl-C: the shards written so far are whole, and the manifest lists them
         print("\nstopped: run the same command again to go on after the last whole shard", file=sys.stderr)
         sys.exit(130)
+    except MemoryError:  # a shard's tokens are held in memory, 2 bytes each
+        die("out of memory; lower --shard_size (or --workers), then run the same command again")

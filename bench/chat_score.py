@@ -24,13 +24,13 @@ import os
 import random
 import re
 import sys
-import sysconfig
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import mid_train as mt  # noqa: E402
+import prepare_fineweb  # noqa: E402  (the demo's names, and which are held out)
 
 STOP_WORDS = set("""a an and are as at be been but by can do does for from has have if in into is it its of on or so
 such than that the their then there these this those to was were when which while will with would not no yes
@@ -71,7 +71,6 @@ def main():
     p.add_argument("--num_questions", type=int, default=200, help="held-out names to ask about (0: all)")
     p.add_argument("--max_new_tokens", type=int, default=48, help="tokens per reply at most")
     p.add_argument("--examples", type=int, default=6, help="question/reply/reference triples to print")
-    p.add_argument("--root", default=sysconfig.get_paths()["stdlib"], help="the .py files the names come from")
     p.add_argument("--seed", type=int, default=0, help="which held-out names, and the distractors")
     p.add_argument("--device", default="cpu", help="cpu, cuda or mps (float32 weights)")
     args = p.parse_args()
@@ -84,8 +83,8 @@ def main():
     enc = mt.get_chat_tokenizer()
     stop = {enc.encode_single_token("<|assistant_end|>"), mt.EOT_TOKEN}
 
-    docs, _ = mt.stdlib_docs(args.root)
-    held_out = [(name, sentence) for name, sentence in docs if mt.is_held_out(name)]
+    _, names = prepare_fineweb.stdlib_texts()
+    held_out = [(name, sentence) for name, sentence in names if prepare_fineweb.is_held_out(name)]
     rng = random.Random(args.seed)
     rng.shuffle(held_out)
     asked = held_out[: args.num_questions or None]

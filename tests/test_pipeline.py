@@ -6,12 +6,12 @@ import os
 import re
 import subprocess
 import sys
-import sysconfig
 
 import pytest
 import torch
 
 import mid_train
+import prepare_fineweb
 from conftest import REPO, read_log, run
 from train_gpt2 import get_tokenizer, load_checkpoint, model_from_checkpoint
 
@@ -21,32 +21,32 @@ SMALL = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "6
 
 
 def test_demo_conversations_hold_out_names():
-    docs, unparsed = mid_train.stdlib_docs(sysconfig.get_paths()["stdlib"])
-    assert not unparsed
-    assert dict(docs)["json.dumps"].startswith("Serialize ``obj`` to a JSON formatted ``str``")
-    held_out = {name for name, _ in docs if mid_train.is_held_out(name)}
-    assert 0.07 < len(held_out) / len(docs) < 0.13
-    conversations = mid_train.load_source("demo", "stdlib")
-    templates = [re.compile(re.escape(q).replace(r"\{\}", r"(\S+)")) for q in mid_train.DEMO_QUESTIONS]
+    _, names = prepare_fineweb.stdlib_texts()
+    assert dict(names)["json.dumps"].startswith("Serialize ``obj`` to a JSON formatted ``str``")
+    held_out = {name for name, _ in names if prepare_fineweb.is_held_out(name)}
+    assert 0.07 < len(held_out) / len(names) < 0.13
+    conversations = [json.loads(line)["messages"] for line in prepare_fineweb.demo_chat(names).splitlines()]
+    templates = [re.compile(re.escape(q).replace(r"\{\}", r"(\S+)")) for q in prepare_fineweb.DEMO_QUESTIONS]
     asked = [next(t.fullmatch(m["content"]) for t in templates if t.fullmatch(m["content"])).group(1)
              for c in conversations for m in c if m["role"] == "user"]
-    assert sorted(asked) == sorted(name for name, _ in docs if name not in held_out)  # every other name, once
+    assert sorted(asked) == sorted(name for name, _ in names if name not in held_out)  # every other name, once
     assert {len(c) for c in conversations} == {2, 4, 6}  # 1 to 3 turns a conversation
 
 
 def test_offline_pipeline_from_demo_to_chat(tmp_path):
     data, base, mid, hf = (tmp_path / d for d in ("data", "base", "mid", "hf"))
-    run("prepare_fineweb.py", "--demo", "--out_dir", data, "--max_shards", 2, "--workers", 1, check=True)
+    proc = run("prepare_fineweb.py", "--demo", "--out_dir", data, "--max_shards", 2, "--workers", 1, check=True)
+    assert "held out" in proc.stdout and (data / "chat.jsonl").exists()
     run("train_gpt2.py", "--demo", *SMALL, "--data_dir", data, "--out_dir", base, "--max_steps", 20,
         "--eval_every", 20, "--val_tokens", 512, "--num_samples", 0, check=True)
-    proc = run("mid_train.py", "--demo", "--init_ckpt", base, "--out_dir", mid, "--max_steps", 60, "--lr", 1e-2,
-               "--micro_batch_size", 8, "--dtype", "float32", "--device", "cpu", "--compile", "off",
-               "--eval_every", 60, "--num_samples", 0, check=True)
-    assert "held out" in proc.stdout
+    chat_data = f"chat:{data / 'chat.jsonl'}:2"  # what --demo reads from data/demo
+    run("mid_train.py", "--demo", "--init_ckpt", base, "--data", chat_data, "--out_dir", mid, "--max_steps", 60,
+        "--lr", 1e-2, "--micro_batch_size", 8, "--dtype", "float32", "--device", "cpu", "--compile", "off",
+        "--eval_every", 60, "--num_samples", 0, check=True)
     val = [r["val_loss"] for r in read_log(mid) if "val_loss" in r]
     assert val[-1] < val[0] - 2.0, val
     checkpoint, _ = load_checkpoint(str(mid))
-    assert checkpoint["kind"] == "mid" and checkpoint["args"]["data"] == ["demo:stdlib:2"]
+    assert checkpoint["kind"] == "mid" and checkpoint["args"]["data"] == [chat_data]
 
     questions = "What does json.dumps do?\nWhat is os.path.join for?\n"
     chat = subprocess.run([sys.executable, "sample.py", "--ckpt", str(mid), "--chat", "--max_new_tokens", "100",
@@ -111,10 +111,16 @@ torch.save({"ids": ids, "logits": logits, "type": type(model).__name__, "dtype":
     assert not os.path.exists(str(out) + ".tmp")
 
 
-def test_mid_train_demo_preset_gives_defaults_that_flags_override(tmp_path, capsys):
+def test_mid_train_demo_preset_gives_defaults_that_flags_override(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # --demo reads data/demo/chat.jsonl from the working directory
+    with pytest.raises(SystemExit) as exit_info:
+        mid_train.get_args(["--demo", "--init_ckpt", str(tmp_path)])
+    assert exit_info.value.code == 2 and "run python prepare_fineweb.py --demo first" in capsys.readouterr().err
+    (tmp_path / "data" / "demo").mkdir(parents=True)
+    (tmp_path / "data" / "demo" / "chat.jsonl").write_text("")
     (tmp_path / "ckpt_0000001.pt").write_bytes(b"")
     args = mid_train.get_args(["--demo", "--init_ckpt", str(tmp_path), "--lr", "5e-4"])
-    assert args.data == ["demo:stdlib:2"] and args.out_dir == "out/mid" and args.compile == "off"
+    assert args.data == ["chat:data/demo/chat.jsonl:2"] and args.out_dir == "out/mid" and args.compile == "off"
     assert args.lr == 5e-4 and args.max_steps == mid_train.DEMO_PRESET["max_steps"]
     with pytest.raises(SystemExit) as exit_info:
         mid_train.get_args(["--demo", "--init_ckpt", str(tmp_path / "nothing")])

@@ -152,11 +152,11 @@ def test_bad_input_gives_one_line_error(case, tmp_path):
 
 def test_demo_corpus_is_words_not_blanks(tmp_path):
     """The demo corpus: the prose of the stdlib's docstrings and reference topics, a paragraph a line, at most 25%
-    whitespace-only tokens (the stdlib's raw source is 47%); its shards hold exactly demo_documents' tokens."""
+    whitespace-only tokens (the stdlib's raw source is 47%); its shards hold exactly stdlib_texts' documents' tokens."""
     import prepare_fineweb
     text = "Title\n=====\n\nOne line\nwrapped.  Two  spaces.\n\n    indented code\n>>> doctest\n\nLast."
     assert prepare_fineweb.reflow(text) == "Title\nOne line wrapped. Two spaces.\nLast."
-    docs = list(prepare_fineweb.demo_documents([]))
+    docs, _ = prepare_fineweb.stdlib_texts()
     assert any("Serialize ``obj`` to a JSON formatted ``str``" in d for d in docs)  # json.dumps's docstring
     assert any(d.startswith('The "assert" statement') for d in docs)  # pydoc_data's topics
     enc = get_tokenizer()
