@@ -169,7 +169,7 @@ def main(argv=None):
         checkpoint, name = load_checkpoint(args.ckpt)
         model = model_from_checkpoint(checkpoint)
         del checkpoint
-    dtype = autocast_dtype(args.dtype, device_type, model.config.n_embd)
+    dtype = autocast_dtype(args.dtype, device_type)
     model.to(device=device, dtype=dtype if args.cast_weights else torch.float32).eval()
     autocast_ctx = nullcontext() if args.cast_weights else autocast_context(device_type, dtype)
     start = time.perf_counter()
@@ -484,27 +484,14 @@ def init_distributed(device="auto"):
     return device
 
 
-def autocast_dtype(dtype_arg, device_type, width=768):
-    """The dtype matmuls run in under autocast. auto: bfloat16 on CUDA (float16 where it has none), float32 on MPS;
-    on CPU whichever multiplies faster, measured (bf16 was 3x fp32 on an AMD EPYC, slower on an Intel Xeon)."""
+def autocast_dtype(dtype_arg, device_type):
+    """The dtype matmuls run in under autocast. auto: bfloat16 on CUDA (float16 where it has none), else float32
+    (--dtype bfloat16 is about 3x faster on CPUs with bf16 units, AVX512-BF16 or AMX, and slower on others)."""
     if dtype_arg != "auto":
         return getattr(torch, dtype_arg)
     if device_type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if device_type != "cpu":
-        return torch.float32
-    import timeit
-    seconds = {}
-    for dtype in (torch.bfloat16, torch.float32):  # the MLP's matmul at about 1 GFLOP: the best of 3 after a warm-up
-        a, b = torch.randn(max(16, 2**27 // width**2), width, dtype=dtype), torch.randn(width, 4 * width, dtype=dtype)
-        seconds[dtype] = min(timeit.repeat(lambda: a @ b, number=1, repeat=4)[1:])
-    use_bf16 = torch.tensor(seconds[torch.bfloat16] < seconds[torch.float32])
-    if dist.is_initialized():
-        dist.broadcast(use_bf16, 0)  # every rank takes rank 0's pick: ranks must train in one dtype
-    dtype = torch.bfloat16 if use_bf16 else torch.float32
-    print0(f"dtype auto: {str(dtype)[6:]} (bf16 matmul {seconds[torch.bfloat16] * 1e3:.2f} ms vs fp32 "
-           f"{seconds[torch.float32] * 1e3:.2f} ms)", file=sys.stderr)
-    return dtype
+    return torch.float32
 
 
 def autocast_context(device_type, dtype):

@@ -52,7 +52,6 @@ DEMO_PRESET = dict(  # train_gpt2.py --demo's model taught to answer questions a
     init_ckpt="out/demo", out_dir="out/mid", data=["chat:data/demo/chat.jsonl:2"],  # prepare_fineweb.py --demo's
     micro_batch_size=8, max_steps=60, lr=3e-3, eval_every=20, save_every=1000,
     prompt="What does re.compile do?", sample_len=48,  # re.compile is held out
-    compile="off",  # a run of a few minutes does not earn back the minute torch.compile takes on a CPU
 )
 
 
@@ -92,7 +91,7 @@ def get_args(argv=None):
     p.add_argument("--fsdp", action="store_true",
                    help="shard weights, gradients and optimizer state over the ranks (FSDP2) instead of DDP")
     p.add_argument("--compile", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
-                   help="torch.compile the model; auto: on for CUDA, and for CPU where a C++ compiler is found")
+                   help="torch.compile the model; auto: on for CUDA (on a CPU it gains less than the minute it takes)")
     p.add_argument("--eval_every", type=positive_int, default=100, help="val loss and samples every N steps (and at the end)")
     p.add_argument("--num_samples", type=nonneg_int, default=1, help="samples printed at each eval (0: none)")
     p.add_argument("--sample_len", type=positive_int, default=64, help="new tokens per sample (a reply may end sooner)")
@@ -260,24 +259,26 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, targets, training):
-        loss, grad_x = torch.zeros((), device=x.device), torch.zeros_like(x)
+        loss, grad_x = torch.zeros((), device=x.device), torch.empty_like(x)
         grad_weight = torch.zeros_like(weight, dtype=torch.float32)  # summed over the chunks in fp32
         for i in range(0, len(x), LOSS_CHUNK):
             x_chunk, y = x[i: i + LOSS_CHUNK], targets[i: i + LOSS_CHUNK, None]
             logits = (x_chunk @ weight.T).float()  # the matmul in autocast's dtype, as the plain head's
-            lse, learned = logits.logsumexp(dim=1, keepdim=True), y >= 0
-            loss += ((lse - logits.gather(1, y.clamp(min=0))) * learned).sum()
+            learned, target_logits, top = y >= 0, logits.gather(1, y.clamp(min=0)), logits.amax(dim=1, keepdim=True)
+            probs = logits.sub_(top).exp_()  # in place (no new chunk-sized tensor), and unnormalized
+            total = probs.sum(dim=1, keepdim=True)
+            loss += ((top + total.log() - target_logits) * learned).sum()  # log-sum-exp minus the target's logit
             if training:  # d loss / d logits = softmax - one-hot, 0 where the target is ignored
-                grad = logits.sub_(lse).exp_().scatter_add_(1, y.clamp(min=0), -torch.ones_like(lse)) * learned
-                grad_x[i: i + LOSS_CHUNK] = grad.to(x.dtype) @ weight
-                grad_weight += grad.to(x.dtype).T @ x_chunk
+                grad = probs.mul_(learned / total).scatter_add_(1, y.clamp(min=0), -learned.float()).to(x.dtype)
+                grad_x[i: i + LOSS_CHUNK] = grad @ weight
+                grad_weight += grad.T @ x_chunk
         ctx.save_for_backward(grad_x, grad_weight)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         grad_x, grad_weight = ctx.saved_tensors
-        return grad_x * grad_loss, grad_weight * grad_loss, None, None
+        return grad_x.mul_(grad_loss), grad_weight.mul_(grad_loss), None, None  # in place: backward runs once
 # ---- end shared: loss ----
 
 
@@ -681,7 +682,7 @@ def main(argv=None):
     # raw_model is what is saved, sampled and scored; model is what trains and evaluates (DDP-wrapped, compiled).
     # Neither has dropout, so train() and eval() would change nothing (and cost torch.compile a recompile).
     raw_model.to(device)
-    dtype = autocast_dtype(args.dtype, device_type, raw_model.config.n_embd)
+    dtype = autocast_dtype(args.dtype, device_type)
     model, optimizers, scaler, autocast_ctx = setup_training(raw_model, args, dtype)
 
     # ---- where a resumed run was, and the log
@@ -692,12 +693,12 @@ def main(argv=None):
         print0(f"resuming from {args.resume} at step {start_step}")
         del checkpoint
     log, wandb_run = open_run_log(args, start_step, wandb_run_id)
-    print0(f"{raw_model.num_params():,} parameters | {'FSDP' if args.fsdp else 'DDP' if world_size > 1 else 'one process'} "
-           f"| {device} {str(dtype)[6:]} | {args.max_steps} steps of {total_batch_size:,} tokens = {grad_accum_steps} x "
-           f"{B} x {T} x {world_size}")
+    print0(f"{raw_model.num_params():,} parameters, {parameter_mib(raw_model):.1f} MiB of them per rank "
+           f"({'FSDP' if args.fsdp else 'DDP' if world_size > 1 else 'one process'}) | {device} {str(dtype)[6:]} | "
+           f"{args.max_steps} steps of {total_batch_size:,} tokens = {grad_accum_steps} x {B} x {T} x {world_size}")
     print0(f"{n_train:,} train conversations (with epochs) in {len(train_tokens):,} rows of {T + 1} tokens, "
            f"{cropped} cropped; {n_val:,} val conversations in {len(val_tokens) - pad:,} rows")
-    if use_compile(args.compile, device_type):
+    if use_compile(args.compile, device):
         print0("compiling the model (the first step takes a minute or more)", flush=True)
 
     @torch.no_grad()
@@ -932,12 +933,13 @@ def setup_training(raw_model, args, dtype):
     return torch.compile(raw_model) if compile_model else raw_model, optimizers, scaler, autocast_ctx
 
 
-def use_compile(compile_arg, device_type):
-    """torch.compile: 2x on CPU and more on CUDA; inductor needs a C++ compiler on CPU, and MPS support is young."""
-    if compile_arg != "auto":
-        return compile_arg == "on"
-    import shutil
-    return device_type == "cuda" or (device_type == "cpu" and any(map(shutil.which, ("g++", "c++", "clang++"))))
+def use_compile(compile_arg, device):
+    return compile_arg == "on" or (compile_arg == "auto" and str(device).startswith("cuda"))
+
+
+def parameter_mib(model):
+    """This rank's parameter memory: all of it under DDP, its shard under FSDP."""
+    return sum(p.to_local().nbytes if hasattr(p, "to_local") else p.nbytes for p in model.parameters()) / 2**20
 
 
 def micro_batch_advice(B, T, total_batch_size):
@@ -1243,27 +1245,14 @@ def init_distributed(device="auto"):
     return device
 
 
-def autocast_dtype(dtype_arg, device_type, width=768):
-    """The dtype matmuls run in under autocast. auto: bfloat16 on CUDA (float16 where it has none), float32 on MPS;
-    on CPU whichever multiplies faster, measured (bf16 was 3x fp32 on an AMD EPYC, slower on an Intel Xeon)."""
+def autocast_dtype(dtype_arg, device_type):
+    """The dtype matmuls run in under autocast. auto: bfloat16 on CUDA (float16 where it has none), else float32
+    (--dtype bfloat16 is about 3x faster on CPUs with bf16 units, AVX512-BF16 or AMX, and slower on others)."""
     if dtype_arg != "auto":
         return getattr(torch, dtype_arg)
     if device_type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if device_type != "cpu":
-        return torch.float32
-    import timeit
-    seconds = {}
-    for dtype in (torch.bfloat16, torch.float32):  # the MLP's matmul at about 1 GFLOP: the best of 3 after a warm-up
-        a, b = torch.randn(max(16, 2**27 // width**2), width, dtype=dtype), torch.randn(width, 4 * width, dtype=dtype)
-        seconds[dtype] = min(timeit.repeat(lambda: a @ b, number=1, repeat=4)[1:])
-    use_bf16 = torch.tensor(seconds[torch.bfloat16] < seconds[torch.float32])
-    if dist.is_initialized():
-        dist.broadcast(use_bf16, 0)  # every rank takes rank 0's pick: ranks must train in one dtype
-    dtype = torch.bfloat16 if use_bf16 else torch.float32
-    print0(f"dtype auto: {str(dtype)[6:]} (bf16 matmul {seconds[torch.bfloat16] * 1e3:.2f} ms vs fp32 "
-           f"{seconds[torch.float32] * 1e3:.2f} ms)", file=sys.stderr)
-    return dtype
+    return torch.float32
 
 
 def autocast_context(device_type, dtype):

@@ -84,7 +84,7 @@ def get_args(argv=None):
     p.add_argument("--fsdp", action="store_true",
                    help="shard weights, gradients and optimizer state over the ranks (FSDP2) instead of DDP")
     p.add_argument("--compile", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
-                   help="torch.compile the model; auto: on for CUDA, and for CPU where a C++ compiler is found")
+                   help="torch.compile the model; auto: on for CUDA (on a CPU it gains less than the minute it takes)")
     # eval, sampling, checkpoints, logging
     p.add_argument("--eval_every", type=positive_int, default=250, help="val loss and samples every N steps (and at the end)")
     p.add_argument("--val_tokens", type=positive_int, default=10485760, help="tokens of the val shard each eval reads")
@@ -250,24 +250,26 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, targets, training):
-        loss, grad_x = torch.zeros((), device=x.device), torch.zeros_like(x)
+        loss, grad_x = torch.zeros((), device=x.device), torch.empty_like(x)
         grad_weight = torch.zeros_like(weight, dtype=torch.float32)  # summed over the chunks in fp32
         for i in range(0, len(x), LOSS_CHUNK):
             x_chunk, y = x[i: i + LOSS_CHUNK], targets[i: i + LOSS_CHUNK, None]
             logits = (x_chunk @ weight.T).float()  # the matmul in autocast's dtype, as the plain head's
-            lse, learned = logits.logsumexp(dim=1, keepdim=True), y >= 0
-            loss += ((lse - logits.gather(1, y.clamp(min=0))) * learned).sum()
+            learned, target_logits, top = y >= 0, logits.gather(1, y.clamp(min=0)), logits.amax(dim=1, keepdim=True)
+            probs = logits.sub_(top).exp_()  # in place (no new chunk-sized tensor), and unnormalized
+            total = probs.sum(dim=1, keepdim=True)
+            loss += ((top + total.log() - target_logits) * learned).sum()  # log-sum-exp minus the target's logit
             if training:  # d loss / d logits = softmax - one-hot, 0 where the target is ignored
-                grad = logits.sub_(lse).exp_().scatter_add_(1, y.clamp(min=0), -torch.ones_like(lse)) * learned
-                grad_x[i: i + LOSS_CHUNK] = grad.to(x.dtype) @ weight
-                grad_weight += grad.to(x.dtype).T @ x_chunk
+                grad = probs.mul_(learned / total).scatter_add_(1, y.clamp(min=0), -learned.float()).to(x.dtype)
+                grad_x[i: i + LOSS_CHUNK] = grad @ weight
+                grad_weight += grad.T @ x_chunk
         ctx.save_for_backward(grad_x, grad_weight)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         grad_x, grad_weight = ctx.saved_tensors
-        return grad_x * grad_loss, grad_weight * grad_loss, None, None
+        return grad_x.mul_(grad_loss), grad_weight.mul_(grad_loss), None, None  # in place: backward runs once
 # ---- end shared: loss ----
 
 
@@ -356,7 +358,7 @@ class ShardLoader:
     time; each rank reads its own stride of each micro-batch, and a shard's tail shorter than a window is skipped."""
 
     def __init__(self, files, B, T, rank, world_size, device="cpu", span=1, seed=None):
-        self.files, self.shards = files, [load_shard(f) for f in files]
+        self.shards = [load_shard(f) for f in files]
         self.B, self.T, self.rank, self.world_size, self.device = B, T, rank, world_size, device
         self.order, self.span = "sequential" if seed is None else "shuffled", span
         self.seed = 0 if seed is None else seed % 2**64  # numpy seeds are non-negative
@@ -406,9 +408,6 @@ class ShardLoader:
         start = window_start + (self.micro * self.world_size + self.rank) * self.B * self.T
         shard = self.shards_in_order[self.shard]
         buf = torch.from_numpy(self.shards[shard][start: start + self.B * self.T + 1].astype(np.int64))
-        if buf.max() >= GPTConfig.vocab_size:  # an embedding lookup would fail with a traceback (a device assert on CUDA)
-            die(f"{self.files[shard]} holds token id {buf.max().item()}, past the model's vocab of "
-                f"{GPTConfig.vocab_size}: it was made by another tokenizer; re-create it with prepare_fineweb.py")
         self.micro += 1
         if self.micro == self.span:
             self.window, self.micro = self.window + 1, 0
@@ -524,7 +523,7 @@ def main(argv=None):
     # raw_model is what is saved, sampled and scored; model is what trains and evaluates (DDP-wrapped, compiled).
     # Neither has dropout, so train() and eval() would change nothing (and cost torch.compile a recompile).
     raw_model.to(device)
-    dtype = autocast_dtype(args.dtype, device_type, raw_model.config.n_embd)
+    dtype = autocast_dtype(args.dtype, device_type)
     model, optimizers, scaler, autocast_ctx = setup_training(raw_model, args, dtype)
 
     # ---- where a resumed run was, and the log
@@ -535,13 +534,13 @@ def main(argv=None):
         print0(f"resuming from {args.resume} at step {start_step}")
         del checkpoint
     log, wandb_run = open_run_log(args, start_step, wandb_run_id)
-    print0(f"{raw_model.num_params():,} parameters | {'FSDP' if args.fsdp else 'DDP' if world_size > 1 else 'one process'} "
-           f"| {device} {str(dtype)[6:]} | {args.total_batch_size:,} tokens/step = {grad_accum_steps} x {B} x {T} x "
-           f"{world_size}")
+    print0(f"{raw_model.num_params():,} parameters, {parameter_mib(raw_model):.1f} MiB of them per rank "
+           f"({'FSDP' if args.fsdp else 'DDP' if world_size > 1 else 'one process'}) | {device} {str(dtype)[6:]} | "
+           f"{args.total_batch_size:,} tokens/step = {grad_accum_steps} x {B} x {T} x {world_size}")
     epoch_tokens = sum(train_loader.num_windows) * train_loader.window_tokens
     print0(f"train data: {args.data_order} order, {len(train_files)} shards, an epoch is {epoch_tokens:,} tokens "
            f"= {epoch_tokens / args.total_batch_size:,.1f} steps")
-    if use_compile(args.compile, device_type):
+    if use_compile(args.compile, device):
         print0("compiling the model (the first step takes a minute or more)", flush=True)
 
     @torch.no_grad()
@@ -768,12 +767,13 @@ def setup_training(raw_model, args, dtype):
     return torch.compile(raw_model) if compile_model else raw_model, optimizers, scaler, autocast_ctx
 
 
-def use_compile(compile_arg, device_type):
-    """torch.compile: 2x on CPU and more on CUDA; inductor needs a C++ compiler on CPU, and MPS support is young."""
-    if compile_arg != "auto":
-        return compile_arg == "on"
-    import shutil
-    return device_type == "cuda" or (device_type == "cpu" and any(map(shutil.which, ("g++", "c++", "clang++"))))
+def use_compile(compile_arg, device):
+    return compile_arg == "on" or (compile_arg == "auto" and str(device).startswith("cuda"))
+
+
+def parameter_mib(model):
+    """This rank's parameter memory: all of it under DDP, its shard under FSDP."""
+    return sum(p.to_local().nbytes if hasattr(p, "to_local") else p.nbytes for p in model.parameters()) / 2**20
 
 
 def micro_batch_advice(B, T, total_batch_size):
@@ -1079,27 +1079,14 @@ def init_distributed(device="auto"):
     return device
 
 
-def autocast_dtype(dtype_arg, device_type, width=768):
-    """The dtype matmuls run in under autocast. auto: bfloat16 on CUDA (float16 where it has none), float32 on MPS;
-    on CPU whichever multiplies faster, measured (bf16 was 3x fp32 on an AMD EPYC, slower on an Intel Xeon)."""
+def autocast_dtype(dtype_arg, device_type):
+    """The dtype matmuls run in under autocast. auto: bfloat16 on CUDA (float16 where it has none), else float32
+    (--dtype bfloat16 is about 3x faster on CPUs with bf16 units, AVX512-BF16 or AMX, and slower on others)."""
     if dtype_arg != "auto":
         return getattr(torch, dtype_arg)
     if device_type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if device_type != "cpu":
-        return torch.float32
-    import timeit
-    seconds = {}
-    for dtype in (torch.bfloat16, torch.float32):  # the MLP's matmul at about 1 GFLOP: the best of 3 after a warm-up
-        a, b = torch.randn(max(16, 2**27 // width**2), width, dtype=dtype), torch.randn(width, 4 * width, dtype=dtype)
-        seconds[dtype] = min(timeit.repeat(lambda: a @ b, number=1, repeat=4)[1:])
-    use_bf16 = torch.tensor(seconds[torch.bfloat16] < seconds[torch.float32])
-    if dist.is_initialized():
-        dist.broadcast(use_bf16, 0)  # every rank takes rank 0's pick: ranks must train in one dtype
-    dtype = torch.bfloat16 if use_bf16 else torch.float32
-    print0(f"dtype auto: {str(dtype)[6:]} (bf16 matmul {seconds[torch.bfloat16] * 1e3:.2f} ms vs fp32 "
-           f"{seconds[torch.float32] * 1e3:.2f} ms)", file=sys.stderr)
-    return dtype
+    return torch.float32
 
 
 def autocast_context(device_type, dtype):

@@ -120,7 +120,7 @@ def test_mid_train_demo_preset_gives_defaults_that_flags_override(tmp_path, caps
     (tmp_path / "data" / "demo" / "chat.jsonl").write_text("")
     (tmp_path / "ckpt_0000001.pt").write_bytes(b"")
     args = mid_train.get_args(["--demo", "--init_ckpt", str(tmp_path), "--lr", "5e-4"])
-    assert args.data == ["chat:data/demo/chat.jsonl:2"] and args.out_dir == "out/mid" and args.compile == "off"
+    assert args.data == ["chat:data/demo/chat.jsonl:2"] and args.out_dir == "out/mid" and args.compile == "auto"
     assert args.lr == 5e-4 and args.max_steps == mid_train.DEMO_PRESET["max_steps"]
     with pytest.raises(SystemExit) as exit_info:
         mid_train.get_args(["--demo", "--init_ckpt", str(tmp_path / "nothing")])

@@ -397,17 +397,10 @@ def test_mfu_peak_is_looked_up_by_the_exact_device_name():
     assert peak_flops("cpu") is None and peak_flops("cpu", 1e15) == 1e15
 
 
-def test_dtype_auto_on_cpu_picks_the_faster_matmul_and_says_so(capsys):
-    import re
+def test_dtype_auto_is_float32_on_cpu():
     from train_gpt2 import autocast_dtype
-    dtype = autocast_dtype("auto", "cpu", 64)
-    line = capsys.readouterr().err
-    bf16, fp32 = map(float, re.search(r"bf16 matmul ([\d.]+) ms vs fp32 ([\d.]+) ms", line).groups())
-    assert line.startswith(f"dtype auto: {str(dtype)[6:]} (")
-    assert dtype in (torch.bfloat16, torch.float32)
-    if bf16 != fp32:  # the figures are rounded to 2 decimals
-        assert (dtype == torch.bfloat16) == (bf16 < fp32)
-    assert autocast_dtype("float32", "cpu") == torch.float32 and capsys.readouterr().err == ""  # no probe
+    assert autocast_dtype("auto", "cpu") == autocast_dtype("float32", "cpu") == torch.float32
+    assert autocast_dtype("bfloat16", "cpu") == torch.bfloat16
 
 
 def test_divergence_stops_at_once_and_keeps_the_good_checkpoints(shards, tmp_path):
