@@ -59,7 +59,7 @@ def get_args(argv=None):
     p = argparse.ArgumentParser(description="Midtrain a GPT-2 checkpoint on conversations (chat format) and tasks.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     p.error = die  # one-line errors, exit code 2
-    p.add_argument("--init_ckpt", help="train_gpt2.py checkpoint to start from (a file or an out_dir)")
+    p.add_argument("--init_ckpt", type=os.path.normpath, help="train_gpt2.py checkpoint to start from (a file or an out_dir)")
     p.add_argument("--init_from", choices=list(MODEL_SIZES), help="start from OpenAI's weights (needs transformers)")
     p.add_argument("--data", nargs="+", default=["chat:hub", "mmlu:hub", "gsm8k:hub"],
                    help="sources KIND:PATH[:EPOCHS]; KIND chat (.jsonl of {messages} or bare message lists), gsm8k "
@@ -113,10 +113,8 @@ def get_args(argv=None):
         args = p.parse_args(argv)
     if not args.resume and (args.init_ckpt is None) == (args.init_from is None):
         die("start from a base checkpoint with --init_ckpt, or from OpenAI's weights with --init_from gpt2")
-    if args.init_ckpt:  # out/demo, out/demo/ and ./out/demo are one checkpoint, also to --resume's comparison
-        args.init_ckpt = os.path.normpath(args.init_ckpt)
     if args.resume:
-        args = resume_args(args, argv, fixed=("init_ckpt", "init_from", "optimizer", "seed", "val_fraction"))
+        args = resume_args(p, argv, fixed=("init_ckpt", "init_from", "optimizer", "seed", "val_fraction"))
     if args.demo and args.data == DEMO_PRESET["data"] and not os.path.exists("data/demo/chat.jsonl"):
         die("--demo trains on data/demo/chat.jsonl, which is missing: run python prepare_fineweb.py --demo first")
     if args.demo and not args.resume and args.init_ckpt and not glob.glob(os.path.join(args.init_ckpt, CHECKPOINT_GLOB)):
@@ -709,7 +707,7 @@ def main(argv=None):
         sums = torch.zeros(4, device=device)  # loss in nats, learned tokens; loss over tokens with bytes, their bytes
         val_steps = len(val_tokens) // (B * world_size)
         for i in progress(range(val_steps), "val loss"):
-            if i % 16 == 15 and stop_agreed(device):
+            if i % 16 == 15 and agree(device)[-1]:
                 return None
             x, y = val_loader.next_batch()
             learned = y >= 0
@@ -781,7 +779,7 @@ def main(argv=None):
         step_tokens = train_loader.step_tokens(grad_accum_steps)  # the targets the step will read, on all ranks
         loss, grad_norm = train_step(model, optimizers, scaler, train_loader.next_batch, grad_accum_steps,
                                      step_tokens, args.grad_clip, autocast_ctx)
-        loss, grad_norm, stop = agree_on_step(loss, grad_norm)  # the step's one host sync: now it is done
+        loss, grad_norm, stop = agree(device, loss, grad_norm.float())  # the step's one host sync: now it is done
         step_log.add(step, loss, grad_norm, time.perf_counter() - t0)
         lr = optimizers[0].param_groups[0]["lr"]  # the lr AdamW stepped with
         saved = step > start_step and step % args.save_every == 0  # a checkpoint of the weights this step started from
@@ -816,23 +814,14 @@ def request_stop(signum, frame):
     signal.signal(signum, signal.SIG_DFL)  # a second signal stops at once
 
 
-def agree_on_step(loss, grad_norm):
-    """The step's loss and gradient norm averaged over the ranks, and whether any rank was asked to stop: one
-    all-reduce of one tensor. A collective: every rank calls it after every step."""
-    values = torch.stack([loss, grad_norm.float(), torch.tensor(float(stop_requested), device=loss.device)])
-    if dist.is_initialized():
+def agree(device, *values):
+    """The mean over the ranks of each value (device scalars), and last whether any rank was asked to stop: one
+    all-reduce of one tensor, a collective that every rank calls at the same points (every step, and during evals)."""
+    values = torch.stack([*values, torch.tensor(float(stop_requested), device=device)])
+    if world_size > 1:
         dist.all_reduce(values)
-        values /= dist.get_world_size()
-    loss, grad_norm, stop = values.tolist()  # note: this is a CPU-GPU sync point, the step's only one
-    return loss, grad_norm, stop > 0
-
-
-def stop_agreed(device):
-    """Whether any rank has seen a stop signal, the same answer on every rank (a collective, for long evals)."""
-    stop_flag = torch.tensor(float(stop_requested), device=device)
-    if dist.is_initialized():
-        dist.all_reduce(stop_flag, op=dist.ReduceOp.MAX)
-    return bool(stop_flag.item())
+    *means, stop = (values / world_size).tolist()  # note: this is a CPU-GPU sync point, a step's only one
+    return *means, stop > 0
 
 
 def stop_diverged(step, what, lr, out_dir, saved):
@@ -854,9 +843,9 @@ class StepLog:
 
     def __init__(self, args, tokens_per_step, flops_per_step, device):
         self.max_steps, self.tokens_per_step, self.flops_per_step = args.max_steps, tokens_per_step, flops_per_step
-        self.device, self.peak_flops, self.steps, self.first = device, peak_flops(device, args.peak_flops), [], None
+        name = torch.cuda.get_device_name(device) if device.startswith("cuda") else device
+        self.device, self.peak_flops, self.steps, self.first = device, args.peak_flops or PEAK_BF16_FLOPS.get(name), [], None
         if not self.peak_flops:
-            name = torch.cuda.get_device_name(device) if device.startswith("cuda") else device
             print0(f"no MFU: the bf16 peak FLOP/s of {name} is not known; give it with --peak_flops")
 
     def add(self, step, loss, grad_norm, seconds):
@@ -914,8 +903,7 @@ def setup_training(raw_model, args, dtype):
     if args.fsdp:
         # FSDP2: each block, then the rest (embedding tied with the head, final norm). With bfloat16 the blocks
         # compute in it from fp32 master weights, and gradients are reduced in fp32
-        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 \
-            else MixedPrecisionPolicy()
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         for block in raw_model.transformer.h:
             fully_shard(block, mp_policy=policy)
         fully_shard(raw_model, mp_policy=policy)
@@ -983,25 +971,22 @@ def prune_checkpoints(out_dir, step, keep):
             os.remove(old)
 
 
-def resume_args(args, argv, fixed):
-    """--resume: flags not given take the checkpoint's values; the `fixed` ones (model shape, optimizer) must match.
-    Sets args.resume to the newest readable checkpoint, which main() loads."""
-    given = {arg[2:].split("=")[0] for arg in (sys.argv[1:] if argv is None else argv) if arg.startswith("--")}
-    checkpoint, args.resume = load_checkpoint(args.out_dir, mmap=True)  # mmap: no tensor is read yet
+def resume_args(parser, argv, fixed):
+    """--resume: the flags of the newest readable checkpoint in out_dir become the defaults, so that a flag given
+    changes only itself, and the `fixed` ones (model shape, optimizer) must stay. args.resume is that checkpoint."""
+    checkpoint, path = load_checkpoint(parser.parse_args(argv).out_dir, mmap=True)  # mmap: no tensor is read yet
     saved = {**checkpoint["args"], **{k: v for k, v in checkpoint["config"].items() if k in fixed}}
-    changed = []
-    for key, value in vars(args).items():
-        if key in ("resume", "out_dir", "demo") or key not in saved or saved[key] == value:  # demo: a preset only
-            continue
-        if key in fixed and key in given:
-            die(f"--{key} {value}: the checkpoint in {args.out_dir} was trained with {saved[key]}, and a resumed run "
-                f"keeps it (its model, optimizer and data split); drop --{key}, or start afresh in another --out_dir")
-        elif key in given or key == "fsdp":  # no flag turns --fsdp off: each launch says how it shards (either loads)
-            changed.append(f"{key} {saved[key]} -> {value}")
-        else:
-            setattr(args, key, saved[key])
+    # --fsdp is left out: no flag turns it off, so each launch says how it shards (a checkpoint of either loads)
+    parser.set_defaults(**{k: v for k, v in saved.items() if k not in ("resume", "out_dir", "demo", "fsdp")})
+    args = parser.parse_args(argv)
+    changed = [k for k, v in vars(args).items() if saved.get(k, v) != v and k not in ("resume", "out_dir", "demo")]
+    for key in set(changed) & set(fixed):
+        die(f"--{key} {getattr(args, key)}: the checkpoint in {args.out_dir} was trained with {saved[key]}, and a "
+            f"resumed run keeps it (its model, optimizer and data split); drop --{key}, or start afresh in another "
+            f"--out_dir")
     if changed:
-        print0(f"resume: flags changed since the checkpoint: {', '.join(changed)}")
+        print0("resume: flags changed since the checkpoint: " + ", ".join(f"{k} {saved[k]} -> {vars(args)[k]}" for k in changed))
+    args.resume = path
     return args
 
 
@@ -1060,11 +1045,6 @@ PEAK_BF16_FLOPS = {  # dense (no sparsity) bf16 tensor-core peaks from NVIDIA's 
     "NVIDIA L40S": 362e12, "NVIDIA L40": 181e12, "NVIDIA L4": 121e12, "NVIDIA A10G": 70e12, "NVIDIA A10": 125e12,
     "NVIDIA GeForce RTX 4090": 165e12, "NVIDIA GeForce RTX 3090": 71e12,
 }
-
-
-def peak_flops(device, override=None):
-    """The dense bf16 peak FLOP/s for MFU: --peak_flops, else the GPU's from the table; None where unknown."""
-    return override or PEAK_BF16_FLOPS.get(torch.cuda.get_device_name(device) if device.startswith("cuda") else device)
 
 
 def open_run_log(args, start_step, wandb_run_id):

@@ -108,8 +108,7 @@ def get_args(argv=None):
         p.set_defaults(**DEMO_PRESET)
         args = p.parse_args(argv)
     if args.resume:
-        args = resume_args(args, argv, fixed=("model", "n_layer", "n_head", "n_embd", "block_size", "init_from",
-                                                 "optimizer"))
+        args = resume_args(p, argv, fixed=("model", "n_layer", "n_head", "n_embd", "block_size", "init_from", "optimizer"))
     if not args.prompt and args.num_samples:
         print0("--prompt is empty: the in-loop samples start from <|endoftext|>")
     return args
@@ -359,15 +358,14 @@ class ShardLoader:
 
     def __init__(self, files, B, T, rank, world_size, device="cpu", span=1, seed=None):
         self.shards = [load_shard(f) for f in files]
-        self.B, self.T, self.rank, self.world_size, self.device = B, T, rank, world_size, device
-        self.order, self.span = "sequential" if seed is None else "shuffled", span
-        self.seed = 0 if seed is None else seed % 2**64  # numpy seeds are non-negative
+        self.B, self.T, self.rank, self.world_size, self.device, self.span = B, T, rank, world_size, device, span
+        self.order, self.seed = ("sequential", 0) if seed is None else ("shuffled", seed % 2**64)  # numpy's: >= 0
         self.window_tokens = span * B * T * world_size
-        for f, tokens in zip(files, self.shards):
-            if len(tokens) < self.window_tokens + 1:
-                die(f"{f} has {len(tokens)} tokens, fewer than one step over all ranks reads "
-                    f"({self.window_tokens + 1}); lower --total_batch_size, --micro_batch_size or --seq_len")
-        self.num_windows = [(len(tokens) - 1) // self.window_tokens for tokens in self.shards]
+        self.shard_windows = [(len(tokens) - 1) // self.window_tokens for tokens in self.shards]
+        self.num_windows = sum(self.shard_windows)
+        if 0 in self.shard_windows:
+            die(f"{files[self.shard_windows.index(0)]} has fewer tokens than one step over all ranks reads "
+                f"({self.window_tokens + 1}); lower --total_batch_size, --micro_batch_size or --seq_len")
         self.seek(0, 0, 0, 0)
 
     def order_of(self, n, *key):
@@ -380,34 +378,28 @@ class ShardLoader:
         self.epoch, self.shard, self.window, self.micro = epoch, shard, window, micro
         self.shards_in_order = self.order_of(len(self.shards), epoch)
         shard_index = self.shards_in_order[shard]
-        self.windows_in_order = self.order_of(self.num_windows[shard_index], epoch, 1 + shard_index)
+        self.windows_in_order = self.order_of(self.shard_windows[shard_index], epoch, 1 + shard_index)
 
     def state(self):
-        return {"epoch": self.epoch, "shard": self.shard, "window": self.window, "micro": self.micro,
-                "order": self.order, "seed": self.seed, "window_tokens": self.window_tokens,
-                "num_windows": sum(self.num_windows)}
+        return {k: getattr(self, k) for k in ("epoch", "shard", "window", "micro", *DATA_KEYS)}
 
     def load_state(self, state):
         """Go on where the checkpoint's loader was; where the data, its order or the batch changed since, at the same
         shard and token count of the epoch's new order."""
         epoch, shard, window = state["epoch"], min(state["shard"], len(self.shards) - 1), state["window"]
-        theirs, ours = [state[k] for k in ("order", "seed", "window_tokens", "num_windows")], [
-            self.order, self.seed, self.window_tokens, sum(self.num_windows)]
+        theirs, ours = [state[k] for k in DATA_KEYS], [getattr(self, k) for k in DATA_KEYS]
         if theirs != ours:  # checkpoints are taken between steps: micro is 0
             window = -(-window * state["window_tokens"] // self.window_tokens)
-            print0(f"data: the checkpoint read (order, seed, tokens per window, windows) = {theirs}, this run {ours}: "
-                   f"going on at epoch {epoch}, shard {shard}, window {window} of the new order (this epoch may repeat "
-                   f"or skip some tokens)")
+            print0(f"data: the checkpoint read {DATA_KEYS} = {theirs}, this run {ours}: going on at epoch {epoch}, "
+                   f"shard {shard}, window {window} of the new order (this epoch may repeat or skip some tokens)")
         self.seek(epoch, shard, window, state["micro"])
 
     def next_batch(self):
         if self.window >= len(self.windows_in_order):  # the shard is done: the next one, or the next epoch
             more = self.shard + 1 < len(self.shards)
             self.seek(self.epoch + (not more), self.shard + 1 if more else 0, 0, 0)
-        window_start = self.windows_in_order[self.window] * self.window_tokens
-        start = window_start + (self.micro * self.world_size + self.rank) * self.B * self.T
-        shard = self.shards_in_order[self.shard]
-        buf = torch.from_numpy(self.shards[shard][start: start + self.B * self.T + 1].astype(np.int64))
+        start = ((self.windows_in_order[self.window] * self.span + self.micro) * self.world_size + self.rank) * self.B * self.T
+        buf = torch.from_numpy(self.shards[self.shards_in_order[self.shard]][start: start + self.B * self.T + 1].astype(np.int64))
         self.micro += 1
         if self.micro == self.span:
             self.window, self.micro = self.window + 1, 0
@@ -415,6 +407,9 @@ class ShardLoader:
             buf = buf.pin_memory()
         buf = buf.to(self.device, non_blocking=True)
         return buf[:-1].view(self.B, self.T), buf[1:].view(self.B, self.T)
+
+
+DATA_KEYS = ("order", "seed", "window_tokens", "num_windows")  # what the checkpoint's data position depends on
 
 
 # -----------------------------------------------------------------------------
@@ -512,7 +507,7 @@ def main(argv=None):
     span, seed = (grad_accum_steps, args.seed) if args.data_order == "shuffled" else (1, None)
     train_loader = ShardLoader(train_files, B, T, rank, world_size, device, span, seed)
     val_loader = ShardLoader(val_files, B, T, rank, world_size, device)
-    val_steps = min(max(1, args.val_tokens // (B * T * world_size)), sum(val_loader.num_windows))
+    val_steps = min(max(1, args.val_tokens // (B * T * world_size)), val_loader.num_windows)
     val_tokens = val_steps * B * T * world_size
     if args.val_tokens // (B * T * world_size) > val_steps:
         print0(f"--val_tokens {args.val_tokens:,} is more than the val shards hold: each eval reads them once, "
@@ -537,7 +532,7 @@ def main(argv=None):
     print0(f"{raw_model.num_params():,} parameters, {parameter_mib(raw_model):.1f} MiB of them per rank "
            f"({'FSDP' if args.fsdp else 'DDP' if world_size > 1 else 'one process'}) | {device} {str(dtype)[6:]} | "
            f"{args.total_batch_size:,} tokens/step = {grad_accum_steps} x {B} x {T} x {world_size}")
-    epoch_tokens = sum(train_loader.num_windows) * train_loader.window_tokens
+    epoch_tokens = train_loader.num_windows * train_loader.window_tokens
     print0(f"train data: {args.data_order} order, {len(train_files)} shards, an epoch is {epoch_tokens:,} tokens "
            f"= {epoch_tokens / args.total_batch_size:,.1f} steps")
     if use_compile(args.compile, device):
@@ -550,7 +545,7 @@ def main(argv=None):
         val_loader.seek(0, 0, 0, 0)
         loss_sum = torch.zeros((), device=device)
         for i in progress(range(val_steps), "val loss"):
-            if i % 16 == 15 and stop_agreed(device):
+            if i % 16 == 15 and agree(device)[-1]:
                 return None
             x, y = val_loader.next_batch()
             with autocast_ctx:
@@ -615,7 +610,7 @@ def main(argv=None):
         set_schedule(optimizers, lr_multiplier(step, args), step, args)
         loss, grad_norm = train_step(model, optimizers, scaler, train_loader.next_batch, grad_accum_steps,
                                      args.total_batch_size, args.grad_clip, autocast_ctx)
-        loss, grad_norm, stop = agree_on_step(loss, grad_norm)  # the step's one host sync: now it is done
+        loss, grad_norm, stop = agree(device, loss, grad_norm.float())  # the step's one host sync: now it is done
         step_log.add(step, loss, grad_norm, time.perf_counter() - t0)
         lr = optimizers[0].param_groups[0]["lr"]  # the lr AdamW stepped with
         saved = step > start_step and step % args.save_every == 0  # a checkpoint of the weights this step started from
@@ -650,23 +645,14 @@ def request_stop(signum, frame):
     signal.signal(signum, signal.SIG_DFL)  # a second signal stops at once
 
 
-def agree_on_step(loss, grad_norm):
-    """The step's loss and gradient norm averaged over the ranks, and whether any rank was asked to stop: one
-    all-reduce of one tensor. A collective: every rank calls it after every step."""
-    values = torch.stack([loss, grad_norm.float(), torch.tensor(float(stop_requested), device=loss.device)])
-    if dist.is_initialized():
+def agree(device, *values):
+    """The mean over the ranks of each value (device scalars), and last whether any rank was asked to stop: one
+    all-reduce of one tensor, a collective that every rank calls at the same points (every step, and during evals)."""
+    values = torch.stack([*values, torch.tensor(float(stop_requested), device=device)])
+    if world_size > 1:
         dist.all_reduce(values)
-        values /= dist.get_world_size()
-    loss, grad_norm, stop = values.tolist()  # note: this is a CPU-GPU sync point, the step's only one
-    return loss, grad_norm, stop > 0
-
-
-def stop_agreed(device):
-    """Whether any rank has seen a stop signal, the same answer on every rank (a collective, for long evals)."""
-    stop_flag = torch.tensor(float(stop_requested), device=device)
-    if dist.is_initialized():
-        dist.all_reduce(stop_flag, op=dist.ReduceOp.MAX)
-    return bool(stop_flag.item())
+    *means, stop = (values / world_size).tolist()  # note: this is a CPU-GPU sync point, a step's only one
+    return *means, stop > 0
 
 
 def stop_diverged(step, what, lr, out_dir, saved):
@@ -688,9 +674,9 @@ class StepLog:
 
     def __init__(self, args, tokens_per_step, flops_per_step, device):
         self.max_steps, self.tokens_per_step, self.flops_per_step = args.max_steps, tokens_per_step, flops_per_step
-        self.device, self.peak_flops, self.steps, self.first = device, peak_flops(device, args.peak_flops), [], None
+        name = torch.cuda.get_device_name(device) if device.startswith("cuda") else device
+        self.device, self.peak_flops, self.steps, self.first = device, args.peak_flops or PEAK_BF16_FLOPS.get(name), [], None
         if not self.peak_flops:
-            name = torch.cuda.get_device_name(device) if device.startswith("cuda") else device
             print0(f"no MFU: the bf16 peak FLOP/s of {name} is not known; give it with --peak_flops")
 
     def add(self, step, loss, grad_norm, seconds):
@@ -748,8 +734,7 @@ def setup_training(raw_model, args, dtype):
     if args.fsdp:
         # FSDP2: each block, then the rest (embedding tied with the head, final norm). With bfloat16 the blocks
         # compute in it from fp32 master weights, and gradients are reduced in fp32
-        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 \
-            else MixedPrecisionPolicy()
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         for block in raw_model.transformer.h:
             fully_shard(block, mp_policy=policy)
         fully_shard(raw_model, mp_policy=policy)
@@ -817,25 +802,22 @@ def prune_checkpoints(out_dir, step, keep):
             os.remove(old)
 
 
-def resume_args(args, argv, fixed):
-    """--resume: flags not given take the checkpoint's values; the `fixed` ones (model shape, optimizer) must match.
-    Sets args.resume to the newest readable checkpoint, which main() loads."""
-    given = {arg[2:].split("=")[0] for arg in (sys.argv[1:] if argv is None else argv) if arg.startswith("--")}
-    checkpoint, args.resume = load_checkpoint(args.out_dir, mmap=True)  # mmap: no tensor is read yet
+def resume_args(parser, argv, fixed):
+    """--resume: the flags of the newest readable checkpoint in out_dir become the defaults, so that a flag given
+    changes only itself, and the `fixed` ones (model shape, optimizer) must stay. args.resume is that checkpoint."""
+    checkpoint, path = load_checkpoint(parser.parse_args(argv).out_dir, mmap=True)  # mmap: no tensor is read yet
     saved = {**checkpoint["args"], **{k: v for k, v in checkpoint["config"].items() if k in fixed}}
-    changed = []
-    for key, value in vars(args).items():
-        if key in ("resume", "out_dir", "demo") or key not in saved or saved[key] == value:  # demo: a preset only
-            continue
-        if key in fixed and key in given:
-            die(f"--{key} {value}: the checkpoint in {args.out_dir} was trained with {saved[key]}, and a resumed run "
-                f"keeps it (its model, optimizer and data split); drop --{key}, or start afresh in another --out_dir")
-        elif key in given or key == "fsdp":  # no flag turns --fsdp off: each launch says how it shards (either loads)
-            changed.append(f"{key} {saved[key]} -> {value}")
-        else:
-            setattr(args, key, saved[key])
+    # --fsdp is left out: no flag turns it off, so each launch says how it shards (a checkpoint of either loads)
+    parser.set_defaults(**{k: v for k, v in saved.items() if k not in ("resume", "out_dir", "demo", "fsdp")})
+    args = parser.parse_args(argv)
+    changed = [k for k, v in vars(args).items() if saved.get(k, v) != v and k not in ("resume", "out_dir", "demo")]
+    for key in set(changed) & set(fixed):
+        die(f"--{key} {getattr(args, key)}: the checkpoint in {args.out_dir} was trained with {saved[key]}, and a "
+            f"resumed run keeps it (its model, optimizer and data split); drop --{key}, or start afresh in another "
+            f"--out_dir")
     if changed:
-        print0(f"resume: flags changed since the checkpoint: {', '.join(changed)}")
+        print0("resume: flags changed since the checkpoint: " + ", ".join(f"{k} {saved[k]} -> {vars(args)[k]}" for k in changed))
+    args.resume = path
     return args
 
 
@@ -894,11 +876,6 @@ PEAK_BF16_FLOPS = {  # dense (no sparsity) bf16 tensor-core peaks from NVIDIA's 
     "NVIDIA L40S": 362e12, "NVIDIA L40": 181e12, "NVIDIA L4": 121e12, "NVIDIA A10G": 70e12, "NVIDIA A10": 125e12,
     "NVIDIA GeForce RTX 4090": 165e12, "NVIDIA GeForce RTX 3090": 71e12,
 }
-
-
-def peak_flops(device, override=None):
-    """The dense bf16 peak FLOP/s for MFU: --peak_flops, else the GPU's from the table; None where unknown."""
-    return override or PEAK_BF16_FLOPS.get(torch.cuda.get_device_name(device) if device.startswith("cuda") else device)
 
 
 def open_run_log(args, start_step, wandb_run_id):
