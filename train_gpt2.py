@@ -238,7 +238,7 @@ class GPT(nn.Module):
 
 
 # ---- shared: loss ----
-LOSS_CHUNK = 2048  # rows of logits at a time in the training loss: a chunk of GPT-2's is 412 MB in fp32 (bench/head_loss.py)
+LOSS_CHUNK = 1024  # rows of logits at a time in the training loss, 206 MB of them in fp32: bench/head_loss.py --chunks
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
