@@ -290,7 +290,6 @@ class KVCache:
 class CausalSelfAttention(nn.Module):
     def __init__(self, config, layer):
         super().__init__()
-        assert config.n_embd % config.n_head == 0
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.c_proj.RESIDUAL_SCALE_INIT = True

@@ -84,16 +84,14 @@ def load_hellaswag(path, limit=0):
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            try:
-                ex = json.loads(line)  # bytes, read as UTF-8: a file in another encoding is a ValueError too
-                example = (ex["ctx"], ex["endings"], int(ex["label"]))
-                if not (isinstance(example[0], str) and isinstance(example[1], list) and len(example[1]) == 4
-                        and all(isinstance(e, str) for e in example[1]) and 0 <= example[2] <= 3):
+            try:  # bytes, read as UTF-8: a file in another encoding is a ValueError too
+                ex = json.loads(line)
+                examples.append((ex["ctx"], list(ex["endings"]), int(ex["label"])))
+                if len(examples[-1][1]) != 4 or not 0 <= examples[-1][2] <= 3:
                     raise ValueError
             except (ValueError, KeyError, TypeError):
-                die(f"{path}:{line_no} is not a HellaSwag example: UTF-8 JSON with a ctx string, exactly 4 endings "
-                    f"(strings) and a label 0-3")
-            examples.append(example)
+                die(f"{path}:{line_no} is not a HellaSwag example: UTF-8 JSON with a ctx, exactly 4 endings and a "
+                    f"label 0-3")
             if len(examples) == limit:
                 break
     return examples
@@ -323,7 +321,6 @@ class KVCache:
 class CausalSelfAttention(nn.Module):
     def __init__(self, config, layer):
         super().__init__()
-        assert config.n_embd % config.n_head == 0
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.c_proj.RESIDUAL_SCALE_INIT = True

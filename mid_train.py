@@ -156,7 +156,6 @@ class KVCache:
 class CausalSelfAttention(nn.Module):
     def __init__(self, config, layer):
         super().__init__()
-        assert config.n_embd % config.n_head == 0
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.c_proj.RESIDUAL_SCALE_INIT = True
@@ -755,16 +754,13 @@ def main(argv=None):
         # once in a while sample a reply (also at the start: what the base model replies before it learns the format)
         if evaluate and args.num_samples and (master_process or args.fsdp):  # FSDP: all ranks forward
             generator = torch.Generator(device).manual_seed(args.seed + step)  # leaves the training RNG alone
-            prompt = torch.tensor([render_for_reply(enc, [{"role": "user", "content": args.prompt}])], device=device)
-            for i in range(args.num_samples):
-                reply = []
-                for token in generate(raw_model, prompt, args.sample_len, top_k_sampler(enc.n_vocab, 50, generator),
-                                      autocast_ctx=autocast_ctx):
-                    reply.append(token.item())
-                    if reply[-1] in reply_end and not args.fsdp:  # FSDP: every rank runs all sample_len forwards
-                        break
-                reply = list(itertools.takewhile(lambda t: t not in reply_end, reply))
-                print0(f"---- sample {i} ----\nuser: {args.prompt}\nassistant: {enc.decode(reply)}", flush=True)
+            prompt = torch.tensor([render_for_reply(enc, [{"role": "user", "content": args.prompt}])] * args.num_samples,
+                                  device=device)
+            pick = top_k_sampler(enc.n_vocab, 50, generator)
+            tokens = torch.cat(list(generate(raw_model, prompt, args.sample_len, pick, autocast_ctx=autocast_ctx)), 1)
+            for i, row in enumerate(tokens.tolist()):
+                reply = itertools.takewhile(lambda t: t not in reply_end, row)  # the reply ends at its end token
+                print0(f"---- sample {i} ----\nuser: {args.prompt}\nassistant: {enc.decode(list(reply))}", flush=True)
 
         # once in a while save a checkpoint (older ones are pruned once its weights have given a finite loss)
         if step > start_step and (step % args.save_every == 0 or last_step):
@@ -1332,7 +1328,7 @@ def prepare_out_dir(path, flag):
                 f"another {flag}")
         print(f"{flag} {path}: this file system cannot lock files ({e.strerror}); a second run into it is not "
               f"refused", file=sys.stderr)  # ENOLCK & co: some network file systems
-    stale = [f for f in sorted(glob.glob(os.path.join(path, "*.tmp"))) if os.path.isfile(f)]
+    stale = sorted(glob.glob(os.path.join(path, "*.tmp")))
     for f in stale:
         os.remove(f)
     if stale:

@@ -406,7 +406,7 @@ def prepare_out_dir(path, flag):
                 f"another {flag}")
         print(f"{flag} {path}: this file system cannot lock files ({e.strerror}); a second run into it is not "
               f"refused", file=sys.stderr)  # ENOLCK & co: some network file systems
-    stale = [f for f in sorted(glob.glob(os.path.join(path, "*.tmp"))) if os.path.isfile(f)]
+    stale = sorted(glob.glob(os.path.join(path, "*.tmp")))
     for f in stale:
         os.remove(f)
     if stale:

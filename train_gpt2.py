@@ -148,7 +148,6 @@ class KVCache:
 class CausalSelfAttention(nn.Module):
     def __init__(self, config, layer):
         super().__init__()
-        assert config.n_embd % config.n_head == 0
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.c_proj.RESIDUAL_SCALE_INIT = True
@@ -384,18 +383,15 @@ class ShardLoader:
         return {k: getattr(self, k) for k in ("epoch", "shard", "window", "micro", *DATA_KEYS)}
 
     def load_state(self, state):
-        """Go on where the checkpoint's loader was; where the data, its order or the batch changed since, at the same
-        shard and token count of the epoch's new order."""
-        epoch, shard, window = state["epoch"], min(state["shard"], len(self.shards) - 1), state["window"]
         theirs, ours = [state[k] for k in DATA_KEYS], [getattr(self, k) for k in DATA_KEYS]
-        if theirs != ours:  # checkpoints are taken between steps: micro is 0
-            window = -(-window * state["window_tokens"] // self.window_tokens)
-            print0(f"data: the checkpoint read {DATA_KEYS} = {theirs}, this run {ours}: going on at epoch {epoch}, "
-                   f"shard {shard}, window {window} of the new order (this epoch may repeat or skip some tokens)")
-        self.seek(epoch, shard, window, state["micro"])
+        if theirs != ours:
+            die(f"the checkpoint's data position is one of {DATA_KEYS} = {theirs}, and this run reads {ours}: resume "
+                f"with the same --data_dir, --data_order and --total_batch_size (sequential order: also the same "
+                f"--micro_batch_size, --seq_len and number of processes)")
+        self.seek(state["epoch"], state["shard"], state["window"], state["micro"])
 
     def next_batch(self):
-        if self.window >= len(self.windows_in_order):  # the shard is done: the next one, or the next epoch
+        if self.window == len(self.windows_in_order):  # the shard is done: the next one, or the next epoch
             more = self.shard + 1 < len(self.shards)
             self.seek(self.epoch + (not more), self.shard + 1 if more else 0, 0, 0)
         start = ((self.windows_in_order[self.window] * self.span + self.micro) * self.world_size + self.rank) * self.B * self.T
@@ -1079,16 +1075,14 @@ def load_hellaswag(path, limit=0):
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            try:
-                ex = json.loads(line)  # bytes, read as UTF-8: a file in another encoding is a ValueError too
-                example = (ex["ctx"], ex["endings"], int(ex["label"]))
-                if not (isinstance(example[0], str) and isinstance(example[1], list) and len(example[1]) == 4
-                        and all(isinstance(e, str) for e in example[1]) and 0 <= example[2] <= 3):
+            try:  # bytes, read as UTF-8: a file in another encoding is a ValueError too
+                ex = json.loads(line)
+                examples.append((ex["ctx"], list(ex["endings"]), int(ex["label"])))
+                if len(examples[-1][1]) != 4 or not 0 <= examples[-1][2] <= 3:
                     raise ValueError
             except (ValueError, KeyError, TypeError):
-                die(f"{path}:{line_no} is not a HellaSwag example: UTF-8 JSON with a ctx string, exactly 4 endings "
-                    f"(strings) and a label 0-3")
-            examples.append(example)
+                die(f"{path}:{line_no} is not a HellaSwag example: UTF-8 JSON with a ctx, exactly 4 endings and a "
+                    f"label 0-3")
             if len(examples) == limit:
                 break
     return examples
@@ -1236,7 +1230,7 @@ def prepare_out_dir(path, flag):
                 f"another {flag}")
         print(f"{flag} {path}: this file system cannot lock files ({e.strerror}); a second run into it is not "
               f"refused", file=sys.stderr)  # ENOLCK & co: some network file systems
-    stale = [f for f in sorted(glob.glob(os.path.join(path, "*.tmp"))) if os.path.isfile(f)]
+    stale = sorted(glob.glob(os.path.join(path, "*.tmp")))
     for f in stale:
         os.remove(f)
     if stale:
