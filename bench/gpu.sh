@@ -37,6 +37,7 @@ compgen -G "$bundle/wheels/*.whl" >/dev/null || die "no wheels in $bundle/wheels
 # The packages the GPU machine lacks, as its README installs them: no index (no internet there), no deps (the bundle
 # holds each one needed), into a folder on PYTHONPATH (its python3 is a venv of its own that we leave as it is)
 site=$(mktemp -d)
+trap 'rm -rf "$site"' EXIT
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$bundle"/wheels/*.whl \
     || die "installing $bundle/wheels/*.whl failed"
 export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
