@@ -274,19 +274,6 @@ MODEL_SIZES = {
 }
 
 
-class KVCache:
-    """Keys and values of the tokens seen so far, for generation: the prompt is run once, then one token a step."""
-
-    def __init__(self, n_layer, max_len):
-        self.n_layer, self.max_len, self.pos, self.kv = n_layer, max_len, 0, None  # pos: tokens in the cache
-
-    def store(self, layer, k, v):
-        if self.kv is None:  # (keys and values, layer, B, head, position, dim), in the dtype attention runs in
-            self.kv = k.new_zeros(2, self.n_layer, *k.shape[:2], self.max_len, k.size(3))
-        self.kv[:, layer, :, :, self.pos: self.pos + k.size(2)] = torch.stack([k, v])
-        return self.kv[:, layer, :, :, : self.pos + k.size(2)].unbind()
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, config, layer):
         super().__init__()
@@ -301,9 +288,11 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         if kv_cache is not None:
             k, v = kv_cache.store(self.layer, k, v)
-        # new queries after cached keys see all of those and, among themselves, only the earlier ones
-        mask = None if k.size(2) == T else torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(k.size(2) - T)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)  # flash attention if it can
+        # new queries after cached keys see all of those and, among themselves, only the earlier ones; no mask where
+        # none is needed (training, and decoding one token at a time), so that flash attention can run
+        causal = k.size(2) == T
+        mask = None if causal or T == 1 else torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(k.size(2) - T)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 

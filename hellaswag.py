@@ -305,19 +305,6 @@ MODEL_SIZES = {
 }
 
 
-class KVCache:
-    """Keys and values of the tokens seen so far, for generation: the prompt is run once, then one token a step."""
-
-    def __init__(self, n_layer, max_len):
-        self.n_layer, self.max_len, self.pos, self.kv = n_layer, max_len, 0, None  # pos: tokens in the cache
-
-    def store(self, layer, k, v):
-        if self.kv is None:  # (keys and values, layer, B, head, position, dim), in the dtype attention runs in
-            self.kv = k.new_zeros(2, self.n_layer, *k.shape[:2], self.max_len, k.size(3))
-        self.kv[:, layer, :, :, self.pos: self.pos + k.size(2)] = torch.stack([k, v])
-        return self.kv[:, layer, :, :, : self.pos + k.size(2)].unbind()
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, config, layer):
         super().__init__()
@@ -332,9 +319,11 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         if kv_cache is not None:
             k, v = kv_cache.store(self.layer, k, v)
-        # new queries after cached keys see all of those and, among themselves, only the earlier ones
-        mask = None if k.size(2) == T else torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(k.size(2) - T)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)  # flash attention if it can
+        # new queries after cached keys see all of those and, among themselves, only the earlier ones; no mask where
+        # none is needed (training, and decoding one token at a time), so that flash attention can run
+        causal = k.size(2) == T
+        mask = None if causal or T == 1 else torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(k.size(2) - T)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
@@ -487,7 +476,7 @@ def autocast_dtype(dtype_arg, device_type):
     if dtype_arg != "auto":
         return getattr(torch, dtype_arg)
     if device_type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16  # V100, T4
     return torch.float32
 
 
@@ -507,8 +496,7 @@ def on_out_of_memory(advice):
 
 
 def exit_on_out_of_memory(main):
-    """Run main(); running out of memory anywhere in it is one line saying what to lower, exit 2, once the memory is
-    given back (the frames that held the tensors are gone when the error has left main())."""
+    """Run main(); running out of memory anywhere in it is one line saying what to lower, exit 2."""
     try:
         return main()
     except Exception as e:  # torch reports a failed CPU allocation as a RuntimeError
@@ -516,10 +504,10 @@ def exit_on_out_of_memory(main):
                 text in str(e) for text in ("can't allocate memory", "not enough memory", "out of memory")):
             raise
         memory = "GPU" if isinstance(e, torch.OutOfMemoryError) or "CUDA" in str(e) else "CPU"
-    import gc
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    if dist.is_initialized():  # the other ranks wait in a collective that will not come: leave now, torchrun ends them
+        print(f"error: out of {memory} memory: {memory_advice}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(2)
     die(f"out of {memory} memory: {memory_advice}")
 # ---- end shared: memory ----
 

@@ -58,6 +58,61 @@ def get_args(argv=None):
 
 
 # -----------------------------------------------------------------------------
+# generation with a KV cache
+
+class KVCache:
+    """Keys and values of the tokens seen so far, for generation: the prompt is run once, then one token a step."""
+
+    def __init__(self, n_layer, max_len):
+        self.n_layer, self.max_len, self.pos, self.kv = n_layer, max_len, 0, None  # pos: tokens in the cache
+
+    def store(self, layer, k, v):
+        if self.kv is None:  # (keys and values, layer, B, head, position, dim), in the dtype attention runs in
+            self.kv = k.new_zeros(2, self.n_layer, *k.shape[:2], self.max_len, k.size(3))
+        self.kv[:, layer, :, :, self.pos: self.pos + k.size(2)] = torch.stack([k, v])
+        return self.kv[:, layer, :, :, : self.pos + k.size(2)].unbind()
+
+
+def filter_logits(logits, top_k=None, top_p=None):
+    """Set to -inf every logit outside the top_k, and outside the smallest set whose probability reaches top_p."""
+    if top_k is not None and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[:, [-1]]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = F.softmax(sorted_logits, dim=-1)
+        drop_sorted = probs.cumsum(dim=-1) - probs >= top_p  # the tokens before it already reach top_p
+        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+    return logits
+
+
+@torch.no_grad()
+def generate(model, idx, max_new_tokens, n_vocab, temperature=1.0, top_k=None, top_p=None, generator=None,
+             use_cache=True, autocast_ctx=nullcontext()):
+    """Yield (B, 1) new tokens one at a time after the (B, T) prompt idx, never a padding id past n_vocab: greedy at
+    temperature 0, else sampled from the top_k / top_p. With the cache, one token per forward (a full context keeps
+    its last half); without, the last block_size tokens each step."""
+    block_size = model.config.block_size
+    kv_cache = KVCache(model.config.n_layer, block_size) if use_cache else None
+    next_input = idx[:, -block_size:]
+    for _ in range(max_new_tokens):
+        with autocast_ctx:
+            logits = model(next_input, kv_cache=kv_cache)[0][:, -1, :n_vocab].float()
+        if temperature == 0:
+            token = logits.argmax(dim=-1, keepdim=True)
+        else:
+            probs = F.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)
+            token = torch.multinomial(probs, num_samples=1, generator=generator)
+        yield token
+        idx = torch.cat([idx, token], dim=1)
+        if use_cache and kv_cache.pos == block_size:
+            kv_cache = KVCache(model.config.n_layer, block_size)
+            next_input = idx[:, -(block_size // 2):]
+        else:
+            next_input = token if use_cache else idx[:, -block_size:]
+
+
+# -----------------------------------------------------------------------------
 # streaming and chat
 
 
@@ -135,7 +190,7 @@ def main(argv=None):
         threads = args.threads or (torch.get_num_threads() if os.environ.get("OMP_NUM_THREADS") else 1)
         torch.set_num_threads(threads)
         print(f"cpu threads: {torch.get_num_threads()} (--threads N to change)", file=sys.stderr)
-    dtype = autocast_dtype(args.dtype, device_type, model.config.n_embd)
+    dtype = autocast_dtype(args.dtype, device_type)
     model.to(device=device, dtype=dtype if args.cast_weights else torch.float32).eval()
     autocast_ctx = nullcontext() if args.cast_weights else autocast_context(device_type, dtype)
     enc = get_chat_tokenizer() if kind == "mid" else get_tokenizer()
@@ -285,23 +340,9 @@ MODEL_SIZES = {
 }
 
 
-class KVCache:
-    """Keys and values of the tokens seen so far, for generation: the prompt is run once, then one token a step."""
-
-    def __init__(self, n_layer, max_len):
-        self.n_layer, self.max_len, self.pos, self.kv = n_layer, max_len, 0, None  # pos: tokens in the cache
-
-    def store(self, layer, k, v):
-        if self.kv is None:  # (keys and values, layer, B, head, position, dim), in the dtype attention runs in
-            self.kv = k.new_zeros(2, self.n_layer, *k.shape[:2], self.max_len, k.size(3))
-        self.kv[:, layer, :, :, self.pos: self.pos + k.size(2)] = torch.stack([k, v])
-        return self.kv[:, layer, :, :, : self.pos + k.size(2)].unbind()
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, config, layer):
         super().__init__()
-        assert config.n_embd % config.n_head == 0
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.c_proj.RESIDUAL_SCALE_INIT = True
@@ -313,9 +354,11 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         if kv_cache is not None:
             k, v = kv_cache.store(self.layer, k, v)
-        # new queries after cached keys see all of those and, among themselves, only the earlier ones
-        mask = None if k.size(2) == T else torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(k.size(2) - T)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)  # flash attention if it can
+        # new queries after cached keys see all of those and, among themselves, only the earlier ones; no mask where
+        # none is needed (training, and decoding one token at a time), so that flash attention can run
+        causal = k.size(2) == T
+        mask = None if causal or T == 1 else torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(k.size(2) - T)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
@@ -462,31 +505,14 @@ def init_distributed(device="auto"):
     return device
 
 
-def autocast_dtype(dtype_arg, device_type, width=768):
-    """The dtype matmuls run in under autocast. auto: bfloat16 on CUDA (float16 where it has none), float32 on MPS;
-    on CPU whichever multiplies faster, measured (bf16 was 3x fp32 on an AMD EPYC, slower on an Intel Xeon)."""
+def autocast_dtype(dtype_arg, device_type):
+    """The dtype matmuls run in under autocast. auto: bfloat16 on CUDA (float16 where it has none), else float32
+    (--dtype bfloat16 is about 3x faster on CPUs with bf16 units, AVX512-BF16 or AMX, and slower on others)."""
     if dtype_arg != "auto":
         return getattr(torch, dtype_arg)
     if device_type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if device_type != "cpu":
-        return torch.float32
-    tflops = {}
-    for dtype in (torch.bfloat16, torch.float32):  # the MLP's matmul at about 1 GFLOP: the best of 3 after a warm-up
-        a, b = torch.randn(max(16, 2**27 // width**2), width, dtype=dtype), torch.randn(width, 4 * width, dtype=dtype)
-        seconds = []
-        for _ in range(4):
-            start = time.perf_counter()
-            a @ b
-            seconds.append(time.perf_counter() - start)
-        tflops[dtype] = 8 * a.size(0) * width**2 / min(seconds[1:]) / 1e12
-    use_bf16 = torch.tensor(tflops[torch.bfloat16] > tflops[torch.float32])
-    if dist.is_initialized():
-        dist.broadcast(use_bf16, 0)  # every rank takes rank 0's pick: ranks must train in one dtype
-    dtype = torch.bfloat16 if use_bf16 else torch.float32
-    print0(f"dtype auto: {str(dtype)[6:]} (bf16 matmul {tflops[torch.bfloat16]:.3f} TFLOP/s vs fp32 "
-           f"{tflops[torch.float32]:.3f})", file=sys.stderr)
-    return dtype
+        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16  # V100, T4
+    return torch.float32
 
 
 def autocast_context(device_type, dtype):
@@ -505,8 +531,7 @@ def on_out_of_memory(advice):
 
 
 def exit_on_out_of_memory(main):
-    """Run main(); running out of memory anywhere in it is one line saying what to lower, exit 2, once the memory is
-    given back (the frames that held the tensors are gone when the error has left main())."""
+    """Run main(); running out of memory anywhere in it is one line saying what to lower, exit 2."""
     try:
         return main()
     except Exception as e:  # torch reports a failed CPU allocation as a RuntimeError
@@ -514,10 +539,10 @@ def exit_on_out_of_memory(main):
                 text in str(e) for text in ("can't allocate memory", "not enough memory", "out of memory")):
             raise
         memory = "GPU" if isinstance(e, torch.OutOfMemoryError) or "CUDA" in str(e) else "CPU"
-    import gc
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    if dist.is_initialized():  # the other ranks wait in a collective that will not come: leave now, torchrun ends them
+        print(f"error: out of {memory} memory: {memory_advice}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(2)
     die(f"out of {memory} memory: {memory_advice}")
 # ---- end shared: memory ----
 
@@ -555,47 +580,6 @@ def model_from_checkpoint(checkpoint):
     model.load_state_dict(checkpoint["model"])
     return model
 # ---- end shared: checkpoint ----
-
-
-# ---- shared: generate ----
-def filter_logits(logits, top_k=None, top_p=None):
-    """Set to -inf every logit outside the top_k, and outside the smallest set whose probability reaches top_p."""
-    if top_k is not None and top_k < logits.size(-1):
-        kth = torch.topk(logits, top_k, dim=-1).values[:, [-1]]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = F.softmax(sorted_logits, dim=-1)
-        drop_sorted = probs.cumsum(dim=-1) - probs >= top_p  # the tokens before it already reach top_p
-        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
-    return logits
-
-
-@torch.no_grad()
-def generate(model, idx, max_new_tokens, n_vocab, temperature=1.0, top_k=None, top_p=None, generator=None,
-             use_cache=True, autocast_ctx=nullcontext()):
-    """Yield (B, 1) new tokens one at a time after the (B, T) prompt idx, never a padding id past n_vocab: greedy at
-    temperature 0, else sampled from the top_k / top_p. With the cache, one token per forward (a full context keeps
-    its last half); without, the last block_size tokens each step."""
-    block_size = model.config.block_size
-    kv_cache = KVCache(model.config.n_layer, block_size) if use_cache else None
-    next_input = idx[:, -block_size:]
-    for _ in range(max_new_tokens):
-        with autocast_ctx:
-            logits = model(next_input, kv_cache=kv_cache)[0][:, -1, :n_vocab].float()
-        if temperature == 0:
-            token = logits.argmax(dim=-1, keepdim=True)
-        else:
-            probs = F.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)
-            token = torch.multinomial(probs, num_samples=1, generator=generator)
-        yield token
-        idx = torch.cat([idx, token], dim=1)
-        if use_cache and kv_cache.pos == block_size:
-            kv_cache = KVCache(model.config.n_layer, block_size)
-            next_input = idx[:, -(block_size // 2):]
-        else:
-            next_input = token if use_cache else idx[:, -block_size:]
-# ---- end shared: generate ----
 
 
 if __name__ == "__main__":

@@ -132,19 +132,6 @@ MODEL_SIZES = {
 }
 
 
-class KVCache:
-    """Keys and values of the tokens seen so far, for generation: the prompt is run once, then one token a step."""
-
-    def __init__(self, n_layer, max_len):
-        self.n_layer, self.max_len, self.pos, self.kv = n_layer, max_len, 0, None  # pos: tokens in the cache
-
-    def store(self, layer, k, v):
-        if self.kv is None:  # (keys and values, layer, B, head, position, dim), in the dtype attention runs in
-            self.kv = k.new_zeros(2, self.n_layer, *k.shape[:2], self.max_len, k.size(3))
-        self.kv[:, layer, :, :, self.pos: self.pos + k.size(2)] = torch.stack([k, v])
-        return self.kv[:, layer, :, :, : self.pos + k.size(2)].unbind()
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, config, layer):
         super().__init__()
@@ -159,9 +146,11 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         if kv_cache is not None:
             k, v = kv_cache.store(self.layer, k, v)
-        # new queries after cached keys see all of those and, among themselves, only the earlier ones
-        mask = None if k.size(2) == T else torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(k.size(2) - T)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)  # flash attention if it can
+        # new queries after cached keys see all of those and, among themselves, only the earlier ones; no mask where
+        # none is needed (training, and decoding one token at a time), so that flash attention can run
+        causal = k.size(2) == T
+        mask = None if causal or T == 1 else torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(k.size(2) - T)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
@@ -589,8 +578,7 @@ def main(argv=None):
         if evaluate and args.num_samples and step > start_step and (master_process or args.fsdp):  # FSDP: all ranks forward
             generator = torch.Generator(device).manual_seed(args.seed + step)  # leaves the training RNG alone
             prompt = torch.tensor([enc.encode(args.prompt) or [EOT_TOKEN]] * args.num_samples, device=device)
-            pick = top_k_sampler(enc.n_vocab, 50, generator)
-            tokens = torch.cat(list(generate(raw_model, prompt, args.sample_len, pick, autocast_ctx=autocast_ctx)), 1)
+            tokens = sample_tokens(raw_model, prompt, args.sample_len, enc.n_vocab, generator, autocast_ctx)
             for i, row in enumerate(tokens.tolist()):
                 print0(f"---- sample {i} ----\n{args.prompt}{enc.decode(row)}")
 
@@ -607,7 +595,7 @@ def main(argv=None):
         loss, grad_norm = train_step(model, optimizers, scaler, train_loader.next_batch, grad_accum_steps,
                                      args.total_batch_size, args.grad_clip, autocast_ctx)
         loss, grad_norm, stop = agree(device, loss, grad_norm.float())  # the step's one host sync: now it is done
-        step_log.add(step, loss, grad_norm, time.perf_counter() - t0)
+        step_log.add(loss, grad_norm, time.perf_counter() - t0)
         lr = optimizers[0].param_groups[0]["lr"]  # the lr AdamW stepped with
         saved = step > start_step and step % args.save_every == 0  # a checkpoint of the weights this step started from
         # diverged: stop before anything else is saved (float16's grad scaler skips a step whose gradients overflow)
@@ -671,13 +659,12 @@ class StepLog:
     def __init__(self, args, tokens_per_step, flops_per_step, device):
         self.max_steps, self.tokens_per_step, self.flops_per_step = args.max_steps, tokens_per_step, flops_per_step
         name = torch.cuda.get_device_name(device) if device.startswith("cuda") else device
-        self.device, self.peak_flops, self.steps, self.first = device, args.peak_flops or PEAK_BF16_FLOPS.get(name), [], None
+        self.device, self.peak_flops, self.steps = device, args.peak_flops or PEAK_BF16_FLOPS.get(name), []
         if not self.peak_flops:
             print0(f"no MFU: the bf16 peak FLOP/s of {name} is not known; give it with --peak_flops")
 
-    def add(self, step, loss, grad_norm, seconds):
+    def add(self, loss, grad_norm, seconds):
         self.steps.append((loss, grad_norm, seconds))
-        self.first = self.first or (step, time.perf_counter())  # after the first step, which compiles
 
     def record(self, step, lr):
         """The log record and line, and a new interval. tok/s is over all ranks (which keep in step), MFU over all
@@ -694,11 +681,23 @@ class StepLog:
         if self.peak_flops:
             record["mfu"] = self.flops_per_step / step_s / (self.peak_flops * world_size)
             line += f" | MFU {record['mfu'] * 100:.1f}%"
-        if step > self.first[0]:  # the mean wall time of a step since the first one, evals and checkpoints included
-            record["eta_s"] = (time.perf_counter() - self.first[1]) / (step - self.first[0]) * (self.max_steps - 1 - step)
-            line += f" | eta {duration(record['eta_s'])}"
+        record["eta_s"] = step_s * (self.max_steps - 1 - step)  # at this speed, evals and checkpoints left out
+        line += f" | eta {duration(record['eta_s'])}"
         self.steps = []
         return record, line
+
+
+@torch.no_grad()
+def sample_tokens(model, prompts, new_tokens, n_vocab, generator, autocast_ctx):
+    """new_tokens tokens after each row of prompts, each sampled among the 50 likeliest of the tokenizer's n_vocab
+    (never a padding id). No KV cache: the in-loop samples are short (sample.py has one)."""
+    tokens = prompts
+    for _ in range(new_tokens):
+        with autocast_ctx:
+            logits = model(tokens[:, -model.config.block_size:])[0][:, -1, :n_vocab].float()
+        logits = logits.masked_fill(logits < torch.topk(logits, 50).values[:, [-1]], float("-inf"))
+        tokens = torch.cat([tokens, torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)], dim=1)
+    return tokens[:, prompts.size(1):]
 
 
 def flops_per_token(model, seq_len):
@@ -845,8 +844,7 @@ def on_out_of_memory(advice):
 
 
 def exit_on_out_of_memory(main):
-    """Run main(); running out of memory anywhere in it is one line saying what to lower, exit 2, once the memory is
-    given back (the frames that held the tensors are gone when the error has left main())."""
+    """Run main(); running out of memory anywhere in it is one line saying what to lower, exit 2."""
     try:
         return main()
     except Exception as e:  # torch reports a failed CPU allocation as a RuntimeError
@@ -854,10 +852,10 @@ def exit_on_out_of_memory(main):
                 text in str(e) for text in ("can't allocate memory", "not enough memory", "out of memory")):
             raise
         memory = "GPU" if isinstance(e, torch.OutOfMemoryError) or "CUDA" in str(e) else "CPU"
-    import gc
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    if dist.is_initialized():  # the other ranks wait in a collective that will not come: leave now, torchrun ends them
+        print(f"error: out of {memory} memory: {memory_advice}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(2)
     die(f"out of {memory} memory: {memory_advice}")
 # ---- end shared: memory ----
 
@@ -1058,7 +1056,7 @@ def autocast_dtype(dtype_arg, device_type):
     if dtype_arg != "auto":
         return getattr(torch, dtype_arg)
     if device_type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16  # V100, T4
     return torch.float32
 
 
@@ -1136,38 +1134,6 @@ def evaluate_hellaswag(model, examples, enc, device, batch_size=8, autocast_ctx=
                f"the start of their context is left out")
     return correct, correct_norm, count
 # ---- end shared: hellaswag ----
-
-
-# ---- shared: generate ----
-@torch.no_grad()
-def generate(model, idx, max_new_tokens, pick, use_cache=True, autocast_ctx=nullcontext()):
-    """Yield (B, 1) new tokens one at a time after the (B, T) prompt idx, each chosen by pick(logits) from the last
-    position's logits (float). With the cache, one token per forward (a full context keeps its last half); without,
-    the last block_size tokens each step."""
-    block_size = model.config.block_size
-    kv_cache = KVCache(model.config.n_layer, block_size) if use_cache else None
-    next_input = idx[:, -block_size:]
-    for _ in range(max_new_tokens):
-        with autocast_ctx:
-            logits, _ = model(next_input, kv_cache=kv_cache)
-        token = pick(logits[:, -1].float())
-        yield token
-        idx = torch.cat([idx, token], dim=1)
-        if use_cache and kv_cache.pos == block_size:
-            kv_cache = KVCache(model.config.n_layer, block_size)
-            next_input = idx[:, -(block_size // 2):]
-        else:
-            next_input = token if use_cache else idx[:, -block_size:]
-
-
-def top_k_sampler(n_vocab, top_k, generator):
-    """A pick for generate(): a token sampled among the top_k likeliest of the tokenizer's n_vocab, never a padding id."""
-    def pick(logits):
-        logits = logits[:, :n_vocab]
-        logits = logits.masked_fill(logits < torch.topk(logits, top_k).values[:, [-1]], float("-inf"))
-        return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)
-    return pick
-# ---- end shared: generate ----
 
 
 # ---- shared: tokenizer ----

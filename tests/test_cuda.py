@@ -67,7 +67,7 @@ def test_peak_memory_is_logged(gpu_runs):
 
 def test_sampling_and_hellaswag_run_in_the_loop_under_compile(gpu_runs):
     root, stdout, _ = gpu_runs
-    assert stdout.count("sample 1:") == STEPS // 100  # after steps 100, 200, 300
+    assert stdout.count("---- sample 1 ----\n") == STEPS // 100  # after steps 100, 200, 300
     accs = [r["hellaswag_acc_norm"] for r in read_log(root / "bf16") if "hellaswag_acc_norm" in r]
     assert len(accs) == STEPS // 100 + 1 and all(0 <= a <= 1 for a in accs)
 
@@ -83,7 +83,7 @@ def test_fused_adamw_on_cuda():
 def test_kv_cache_greedy_equals_no_cache_in_bf16(gpu_runs):
     """The first N greedy tokens agree; should they part earlier, it must be at a near-tie of the two likeliest
     logits (within 0.1), which bf16 rounding may decide either way."""
-    from train_gpt2 import autocast_context, generate, get_tokenizer, load_checkpoint, model_from_checkpoint
+    from sample import autocast_context, generate, get_tokenizer, load_checkpoint, model_from_checkpoint
     root, _, _ = gpu_runs
     N = 24
     model = model_from_checkpoint(load_checkpoint(str(root / "bf16"))[0]).to("cuda").eval()

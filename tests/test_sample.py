@@ -3,7 +3,7 @@ import torch
 import mid_train
 import sample
 from conftest import run
-from train_gpt2 import GPT, GPTConfig, KVCache, filter_logits, generate
+from sample import GPT, GPTConfig, KVCache, filter_logits, generate
 
 
 def tiny_model(block_size=64):

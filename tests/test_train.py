@@ -396,10 +396,22 @@ def test_mfu_peak_is_looked_up_by_the_exact_device_name():
     assert peak_flops_of("NVIDIA H100") is None and peak_flops_of("NVIDIA GeForce RTX 4080") is None
 
 
-def test_dtype_auto_is_float32_on_cpu():
+def test_dtype_auto_is_float32_on_cpu_and_float16_on_gpus_without_bf16_units(monkeypatch):
     from train_gpt2 import autocast_dtype
     assert autocast_dtype("auto", "cpu") == autocast_dtype("float32", "cpu") == torch.float32
     assert autocast_dtype("bfloat16", "cpu") == torch.bfloat16
+    # a V100 or T4 emulates bf16 slowly: torch says it has bf16 unless emulation is left out
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    assert autocast_dtype("auto", "cuda") == torch.float16
+
+
+def test_a_gpu_other_than_the_first_is_made_current(monkeypatch):
+    """--device cuda:1 in one process: CUDA RNG state, the bf16 check and new tensors must use GPU 1, not GPU 0."""
+    import train_gpt2
+    made_current = []
+    monkeypatch.setattr(torch.cuda, "set_device", made_current.append)
+    monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: None)  # no GPU here to allocate on
+    assert train_gpt2.init_distributed("cuda:1") == "cuda:1" and made_current == ["cuda:1"]
 
 
 def test_divergence_stops_at_once_and_keeps_the_good_checkpoints(shards, tmp_path):
