@@ -156,7 +156,7 @@ def main(argv=None):
 # (copies of blocks in train_gpt2.py and mid_train.py: edit those, then run python tests/sync_shared.py)
 
 
-# ---- shared: cli ----
+# ---- shared: ranks ----
 # this process's place among those torchrun started (the same whole run without it: rank 0 of 1)
 rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 master_process = rank == 0  # rank 0 prints, logs and writes checkpoints
@@ -165,37 +165,15 @@ master_process = rank == 0  # rank 0 prints, logs and writes checkpoints
 def print0(*args, **kwargs):
     if master_process:
         print(*args, **kwargs)
+# ---- end shared: ranks ----
 
 
+# ---- shared: die ----
 def die(message):
     """Bad input or a run-time fault: one line naming the problem and the fix, exit code 2, no traceback."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
-
-
-def ranged(kind, low, high=float("inf"), low_open=False, high_open=False):
-    """An argparse type: a `kind` (int or float) in [low, high], an end left out with low_open / high_open. A bad
-    value is then a one-line error at parse time that names the flag and the range, e.g. `argument --lr: ...`."""
-    bounds = f"{'>' if low_open else '>='} {low}" + (f" and {'<' if high_open else '<='} {high}" if high < float("inf") else "")
-
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            value = float("nan")
-        if not (low < value if low_open else low <= value) or not (value < high if high_open else value <= high) \
-                or value == float("inf"):  # nan fails every comparison
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'} {bounds}")
-        return value
-    return parse
-
-
-positive_int, nonneg_int = ranged(int, 1), ranged(int, 0)
-positive_float, nonneg_float = ranged(float, 0, low_open=True), ranged(float, 0)
-fraction = ranged(float, 0, 1)  # a share or a ratio, 0 to 1
-unit_interval = ranged(float, 0, 1, low_open=True)  # a probability mass such as top_p: (0, 1]
-seed_int = ranged(int, 0, 2**32 - 1)  # what every RNG we seed takes
-# ---- end shared: cli ----
+# ---- end shared: die ----
 
 
 # ---- shared: tokenizer ----
@@ -361,9 +339,6 @@ class GPT(nn.Module):
         # training: the loss without the whole logits (ChunkedCrossEntropy, in the training scripts' "loss" block)
         loss = ChunkedCrossEntropy.apply(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), torch.is_grad_enabled())
         return None, loss if reduction == "sum" else loss / (targets >= 0).sum()
-
-    def num_params(self):
-        return sum(p.numel() for p in self.parameters())
 # ---- end shared: model ----
 
 
@@ -381,18 +356,13 @@ def load_checkpoint(path, device="cpu", mmap=False):
             checkpoint = torch.load(candidate, map_location=device, weights_only=True, mmap=mmap)  # mmap: read lazily
             if isinstance(checkpoint, dict) and {"model", "config"} <= checkpoint.keys():
                 if problems:
-                    print0(f"passing over {len(problems)} newer checkpoint(s): {'; '.join(problems)}; using "
-                           f"{candidate}", file=sys.stderr)
+                    print0(f"passing over {'; '.join(problems)}; using {candidate}", file=sys.stderr)
                 return checkpoint, candidate
             problems.append(f"{candidate} is not a train_gpt2.py/mid_train.py checkpoint (no model and config in it)")
         except Exception as e:
             problems.append(f"{candidate} is not a readable checkpoint ({type(e).__name__})")
-    if not found:
-        die(f"no checkpoint at {path}: give a ckpt_*.pt file or an out_dir holding one (--resume: drop it to start "
-            f"afresh)")
-    die(f"{problems[0]}; give one written by train_gpt2.py or mid_train.py" if os.path.isfile(path) else
-        f"none of the {len(found)} checkpoints in {path} is readable ({problems[0]}); give another checkpoint "
-        f"(a --resume run: start afresh without --resume)")
+    die(f"no readable checkpoint at {path} ({'; '.join(problems) or 'none there'}): give a ckpt_*.pt file of "
+        f"train_gpt2.py or mid_train.py, or an out_dir holding one (a --resume run: drop --resume to start afresh)")
 
 
 def model_from_checkpoint(checkpoint):

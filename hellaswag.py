@@ -189,7 +189,7 @@ def main(argv=None):
 # (copies of blocks in train_gpt2.py: edit those, then run python tests/sync_shared.py)
 
 
-# ---- shared: cli ----
+# ---- shared: ranks ----
 # this process's place among those torchrun started (the same whole run without it: rank 0 of 1)
 rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 master_process = rank == 0  # rank 0 prints, logs and writes checkpoints
@@ -198,14 +198,18 @@ master_process = rank == 0  # rank 0 prints, logs and writes checkpoints
 def print0(*args, **kwargs):
     if master_process:
         print(*args, **kwargs)
+# ---- end shared: ranks ----
 
 
+# ---- shared: die ----
 def die(message):
     """Bad input or a run-time fault: one line naming the problem and the fix, exit code 2, no traceback."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
+# ---- end shared: die ----
 
 
+# ---- shared: flags ----
 def ranged(kind, low, high=float("inf"), low_open=False, high_open=False):
     """An argparse type: a `kind` (int or float) in [low, high], an end left out with low_open / high_open. A bad
     value is then a one-line error at parse time that names the flag and the range, e.g. `argument --lr: ...`."""
@@ -228,7 +232,7 @@ positive_float, nonneg_float = ranged(float, 0, low_open=True), ranged(float, 0)
 fraction = ranged(float, 0, 1)  # a share or a ratio, 0 to 1
 unit_interval = ranged(float, 0, 1, low_open=True)  # a probability mass such as top_p: (0, 1]
 seed_int = ranged(int, 0, 2**32 - 1)  # what every RNG we seed takes
-# ---- end shared: cli ----
+# ---- end shared: flags ----
 
 
 # ---- shared: files ----
@@ -392,9 +396,6 @@ class GPT(nn.Module):
         # training: the loss without the whole logits (ChunkedCrossEntropy, in the training scripts' "loss" block)
         loss = ChunkedCrossEntropy.apply(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), torch.is_grad_enabled())
         return None, loss if reduction == "sum" else loss / (targets >= 0).sum()
-
-    def num_params(self):
-        return sum(p.numel() for p in self.parameters())
 # ---- end shared: model ----
 
 
@@ -454,17 +455,15 @@ def init_distributed(device="auto"):
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     if device.startswith("cuda") and world_size > 1:
-        device = f"cuda:{os.environ['LOCAL_RANK']}"  # set before NCCL starts, which uses the current device
+        device = f"cuda:{os.environ['LOCAL_RANK']}"
     try:  # a device this machine lacks, or a name torch does not take, fails here
-        if device.split(":")[0] not in ("cuda", "mps", "cpu"):
-            raise ValueError("not a device name")
         if device.startswith("cuda"):
-            torch.cuda.set_device(device)
+            torch.cuda.set_device(device)  # the current device: NCCL's, CUDA RNG state's, new tensors'
         torch.empty(0, device=device)
     except Exception as e:
         die(f"--device {device}: {str(e).splitlines()[0]}; give auto, cpu, mps, cuda or cuda:N (torch "
             f"{torch.__version__} sees {torch.cuda.device_count()} CUDA device(s))")
-    if "RANK" in os.environ:
+    if world_size > 1:
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
                                 device_id=torch.device(device) if device.startswith("cuda") else None)
     return device
@@ -526,18 +525,13 @@ def load_checkpoint(path, device="cpu", mmap=False):
             checkpoint = torch.load(candidate, map_location=device, weights_only=True, mmap=mmap)  # mmap: read lazily
             if isinstance(checkpoint, dict) and {"model", "config"} <= checkpoint.keys():
                 if problems:
-                    print0(f"passing over {len(problems)} newer checkpoint(s): {'; '.join(problems)}; using "
-                           f"{candidate}", file=sys.stderr)
+                    print0(f"passing over {'; '.join(problems)}; using {candidate}", file=sys.stderr)
                 return checkpoint, candidate
             problems.append(f"{candidate} is not a train_gpt2.py/mid_train.py checkpoint (no model and config in it)")
         except Exception as e:
             problems.append(f"{candidate} is not a readable checkpoint ({type(e).__name__})")
-    if not found:
-        die(f"no checkpoint at {path}: give a ckpt_*.pt file or an out_dir holding one (--resume: drop it to start "
-            f"afresh)")
-    die(f"{problems[0]}; give one written by train_gpt2.py or mid_train.py" if os.path.isfile(path) else
-        f"none of the {len(found)} checkpoints in {path} is readable ({problems[0]}); give another checkpoint "
-        f"(a --resume run: start afresh without --resume)")
+    die(f"no readable checkpoint at {path} ({'; '.join(problems) or 'none there'}): give a ckpt_*.pt file of "
+        f"train_gpt2.py or mid_train.py, or an out_dir holding one (a --resume run: drop --resume to start afresh)")
 
 
 def model_from_checkpoint(checkpoint):

@@ -341,23 +341,15 @@ def main(argv=None):
 # (copies of blocks in train_gpt2.py: edit those, then run python tests/sync_shared.py)
 
 
-# ---- shared: cli ----
-# this process's place among those torchrun started (the same whole run without it: rank 0 of 1)
-rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-master_process = rank == 0  # rank 0 prints, logs and writes checkpoints
-
-
-def print0(*args, **kwargs):
-    if master_process:
-        print(*args, **kwargs)
-
-
+# ---- shared: die ----
 def die(message):
     """Bad input or a run-time fault: one line naming the problem and the fix, exit code 2, no traceback."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
+# ---- end shared: die ----
 
 
+# ---- shared: flags ----
 def ranged(kind, low, high=float("inf"), low_open=False, high_open=False):
     """An argparse type: a `kind` (int or float) in [low, high], an end left out with low_open / high_open. A bad
     value is then a one-line error at parse time that names the flag and the range, e.g. `argument --lr: ...`."""
@@ -380,7 +372,7 @@ positive_float, nonneg_float = ranged(float, 0, low_open=True), ranged(float, 0)
 fraction = ranged(float, 0, 1)  # a share or a ratio, 0 to 1
 unit_interval = ranged(float, 0, 1, low_open=True)  # a probability mass such as top_p: (0, 1]
 seed_int = ranged(int, 0, 2**32 - 1)  # what every RNG we seed takes
-# ---- end shared: cli ----
+# ---- end shared: flags ----
 
 
 # ---- shared: out_dir ----

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from conftest import REPO, TINY, read_log, run, stdlib_files, torchrun, train_losses, val_losses
-from train_gpt2 import GPT, MODEL_SIZES, GPTConfig, get_tokenizer, load_hf_state_dict
+from train_gpt2 import GPT, MODEL_SIZES, GPTConfig, get_tokenizer, load_hf_state_dict, num_params
 
 
 def test_gpt2_124m_parameter_count():
     with torch.device("meta"):
         model = GPT(GPTConfig(**MODEL_SIZES["gpt2"]))
-    assert model.num_params() == 124_475_904
+    assert num_params(model) == 124_475_904
 
 
 def test_logits_equal_transformers_gpt2():
