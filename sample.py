@@ -31,8 +31,7 @@ def get_args(argv=None):
     p.error = die
     p.add_argument("--ckpt", help="checkpoint file, or an out_dir (its newest checkpoint)")
     p.add_argument("--hf", choices=list(MODEL_SIZES), help="OpenAI's GPT-2 weights through transformers instead")
-    p.add_argument("--prompt", help="prompt text (default: read stdin if it is piped, else start from <|endoftext|>)")
-    p.add_argument("--prompt_file", help="read the prompt from this file")
+    p.add_argument("--prompt", help="prompt text (default: stdin if it is piped, e.g. < prompt.txt, else <|endoftext|>)")
     p.add_argument("--num_samples", type=positive_int, default=1, help="samples to generate")
     p.add_argument("--max_new_tokens", type=positive_int, default=256, help="new tokens per sample at most")
     p.add_argument("--temperature", type=nonneg_float, default=1.0, help="softmax temperature; 0 is greedy")
@@ -52,8 +51,6 @@ def get_args(argv=None):
     args = p.parse_args(argv)
     if (args.ckpt is None) == (args.hf is None):
         die("give a checkpoint with --ckpt, or --hf gpt2 for OpenAI's weights")
-    if args.prompt_file and not os.path.isfile(args.prompt_file):
-        die(f"--prompt_file {args.prompt_file} is not a file (missing, or a folder); give a text file")
     return args
 
 
@@ -162,30 +159,20 @@ def main(argv=None):
     device = init_distributed(args.device)
     device_type = device.split(":")[0]
     try:  # the prompt first: a bad one fails before the model loads
-        if args.chat:
-            prompt = None
-        elif args.prompt_file:
-            with open(args.prompt_file, encoding="utf-8") as f:
-                prompt = f.read()
-        elif args.prompt is not None:
-            prompt = args.prompt
-        else:
-            prompt = "" if sys.stdin.isatty() else sys.stdin.read()
+        prompt = args.prompt if args.prompt is not None or args.chat or sys.stdin.isatty() else \
+            sys.stdin.buffer.read().decode()
     except UnicodeDecodeError:
-        die(f"the prompt ({args.prompt_file or 'stdin'}) is not UTF-8 text; convert it, e.g. with iconv")
+        die("the prompt on stdin is not UTF-8 text; convert it, e.g. with iconv")
     on_out_of_memory("sampling runs one sequence at a time: give --cast_weights --dtype bfloat16 (weights in bf16), "
                      "or --device cpu")
-    if args.hf:
-        model, kind = gpt_from_pretrained(args.hf), "base"
-    else:
-        checkpoint, path = load_checkpoint(args.ckpt)
-        model, kind = model_from_checkpoint(checkpoint), checkpoint.get("kind", "base")
-        loaded = f"loaded {path} ({kind}, step {checkpoint.get('step')})"
-        del checkpoint
+    checkpoint, path = load_checkpoint(args.ckpt) if args.ckpt else ({}, args.hf)
+    kind = checkpoint.get("kind", "base")
     if args.chat and kind != "mid":  # before any line on stderr: a failing run's stderr is its one error line
         die("--chat needs a checkpoint of mid_train.py (this one is a base model); sample with a --prompt instead")
-    if not args.hf:
-        print(loaded, file=sys.stderr)
+    model = model_from_checkpoint(checkpoint) if args.ckpt else gpt_from_pretrained(args.hf)
+    if args.ckpt:
+        print(f"loaded {path} ({kind}, step {checkpoint.get('step')})", file=sys.stderr)
+    del checkpoint
     if device_type == "cpu":  # many threads on small single-token matmuls stall whenever another process has a core
         threads = args.threads or (torch.get_num_threads() if os.environ.get("OMP_NUM_THREADS") else 1)
         torch.set_num_threads(threads)
@@ -204,9 +191,8 @@ def main(argv=None):
     if args.chat:
         return chat(enc, generate_from)
 
-    prompt_ids = enc.encode_ordinary(prompt) if prompt else [EOT_TOKEN]
-    if len(prompt_ids) >= model.config.block_size:
-        prompt_ids = prompt_ids[-(model.config.block_size - 1):]  # keep the end: that is what gets continued
+    prompt = prompt or ""
+    prompt_ids = enc.encode_ordinary(prompt) or [EOT_TOKEN]  # generate() keeps the end of a long one: what it continues
     for i in range(args.num_samples):
         if i:
             print("\n" + "-" * 40)

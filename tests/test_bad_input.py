@@ -69,8 +69,6 @@ CASES = [
     # ---- files and folders
     case("train-hellaswag_file-missing", "train_gpt2.py", *DATA, "--hellaswag_file", "{tmp}/nope.jsonl",
          expect="--hellaswag_file"),
-    case("sample-prompt_file-missing", "sample.py", "--ckpt", "x", "--prompt_file", "{tmp}/nope.txt",
-         expect="--prompt_file"),
     case("hellaswag-data_file-missing", "hellaswag.py", "--ckpt", "x", "--data_file", "{tmp}/nope.jsonl",
          expect="--data_file"),
     case("train-shard-negative-count", "train_gpt2.py", *DATA, "--data_dir", "{tmp}/data_negative",
@@ -86,8 +84,6 @@ CASES = [
     case("mid-mmlu-csv-not-utf8", "mid_train.py", *MID, "--data", "mmlu:{tmp}/latin1.csv", expect="latin1.csv:3"),
     case("prepare-jsonl-not-utf8", "prepare_fineweb.py", "--input", "{tmp}/latin1_text.jsonl", "--out_dir", "{tmp}/p1",
          expect="latin1_text.jsonl:2"),
-    case("sample-prompt_file-not-utf8", "sample.py", "--ckpt", "{tmp}/ckpt.pt", "--prompt_file", "{tmp}/latin1.txt",
-         "--device", "cpu", expect="not UTF-8"),
     case("hellaswag-not-utf8", "hellaswag.py", "--ckpt", "x", "--data_file", "{tmp}/hs_latin1.jsonl",
          expect="hs_latin1.jsonl:2"),
     # ---- malformed records, each named by file:line

@@ -76,16 +76,18 @@ def test_same_seed_same_samples(base_ckpt):
     assert d.stdout == a.stdout  # the same tokens, with or without the cache
 
 
-def test_prompt_from_stdin_and_file(base_ckpt, tmp_path):
+def test_prompt_from_stdin_or_the_flag(base_ckpt, tmp_path):
     import subprocess
     import sys
     from conftest import REPO
-    (tmp_path / "p.txt").write_text("class Foo:")
-    by_file = run("sample.py", "--ckpt", base_ckpt, "--prompt_file", tmp_path / "p.txt", "--max_new_tokens", 10,
-                  "--device", "cpu", check=True)
-    by_stdin = subprocess.run([sys.executable, "sample.py", "--ckpt", base_ckpt, "--max_new_tokens", "10", "--device",
-                               "cpu"], input="class Foo:", cwd=REPO, capture_output=True, text=True)
-    assert by_file.stdout == by_stdin.stdout and by_file.stdout.startswith("class Foo:")
+    by_flag = run("sample.py", "--ckpt", base_ckpt, "--prompt", "class Foo:", "--max_new_tokens", 10, "--device", "cpu",
+                  check=True)
+    command = [sys.executable, "sample.py", "--ckpt", base_ckpt, "--max_new_tokens", "10", "--device", "cpu"]
+    by_stdin = subprocess.run(command, input="class Foo:", cwd=REPO, capture_output=True, text=True)
+    assert by_flag.stdout == by_stdin.stdout and by_flag.stdout.startswith("class Foo:")
+    latin1 = subprocess.run(command, input="caf\xe9".encode("latin-1"), cwd=REPO, capture_output=True)
+    lines = latin1.stderr.decode().strip().splitlines()
+    assert latin1.returncode == 2 and len(lines) == 1 and "not UTF-8" in lines[0], lines
 
 
 def test_missing_or_foreign_checkpoint_is_a_one_line_error(tmp_path):
