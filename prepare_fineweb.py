@@ -59,9 +59,6 @@ def get_args(argv=None):
         args = p.parse_args(argv)
     args.out_dir = args.out_dir or f"data/{args.dataset}-{args.sample}"
     args.prefix = args.prefix or os.path.basename(os.path.normpath(args.out_dir))
-    if {"train", "val"} & set(re.split(r"[_.]", args.prefix)):  # train_gpt2.py tells the split by that word
-        die(f"the shard name prefix '{args.prefix}' (from --prefix or the out_dir's name) holds the word train or val, "
-            f"which names a shard's split; set another --prefix")
     args.files = []
     for pattern in args.input:
         matches = sorted(f for f in glob.glob(pattern, recursive=True) if os.path.isfile(f))

@@ -657,8 +657,6 @@ class StepLog:
         self.max_steps, self.tokens_per_step, self.flops_per_step = args.max_steps, tokens_per_step, flops_per_step
         name = torch.cuda.get_device_name(device) if device.startswith("cuda") else device
         self.device, self.peak_flops, self.steps = device, args.peak_flops or PEAK_BF16_FLOPS.get(name), []
-        if not self.peak_flops:
-            print0(f"no MFU: the bf16 peak FLOP/s of {name} is not known; give it with --peak_flops")
 
     def add(self, loss, grad_norm, seconds):
         self.steps.append((loss, grad_norm, seconds))
@@ -905,7 +903,7 @@ def open_run_log(args, start_step, wandb_run_id):
                 die(f"cannot write {path} ({e.strerror}); free space (or move --out_dir), then go on with --resume "
                     f"from the newest checkpoint: a half-written last line is dropped then")
             if wandb_run:
-                wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+                wandb_run.log(record, step=record["step"])
 
     return log, wandb_run
 
