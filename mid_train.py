@@ -100,7 +100,7 @@ def get_args(argv=None):
     p.add_argument("--save_every", type=positive_int, default=500, help="checkpoint every N steps (and at the end)")
     p.add_argument("--keep_checkpoints", type=positive_int, default=3, help="newest checkpoints kept in out_dir")
     p.add_argument("--resume", action="store_true", help="continue the run of the newest checkpoint in out_dir; flags not given take its values")
-    p.add_argument("--log_every", type=positive_int, default=1, help="print a step line every N steps")
+    p.add_argument("--log_every", type=positive_int, default=1, help="log every N-th step (a line and a record)")
     p.add_argument("--peak_flops", type=positive_float, help="device peak FLOP/s for MFU (known GPUs are detected)")
     p.add_argument("--wandb_project", help="log to this wandb project (WANDB_MODE=offline works)")
     p.add_argument("--wandb_run_name", help="wandb run name")
@@ -658,10 +658,6 @@ def main(argv=None):
     val_tokens = np.concatenate([val_tokens, np.full((pad, T + 1), EOT_TOKEN, val_tokens.dtype)])
     val_mask = np.concatenate([val_mask, np.zeros((pad, T + 1), bool)])
     val_loader = RowLoader(val_tokens, val_mask, B, rank, world_size, device)
-    # UTF-8 bytes of each token id, for bits per byte; special tokens and padding ids have none and are left out
-    bytes_per_token = torch.tensor([len(enc.decode_single_token_bytes(i)) if i < EOT_TOKEN else 0
-                                    for i in range(raw_model.config.vocab_size)], dtype=torch.float, device=device)
-
     # raw_model is what is saved, sampled and scored; model is what trains and evaluates (DDP-wrapped, compiled).
     # Neither has dropout, so train() and eval() would change nothing (and cost torch.compile a recompile).
     raw_model.to(device)
@@ -685,26 +681,20 @@ def main(argv=None):
         print0("compiling the model (the first step takes a minute or more)", flush=True)
 
     @torch.no_grad()
-    def evaluate_val():
-        """Loss per learned token and bits per byte over the whole val split; None when a stop signal cut it short
-        (asked every 16 batches, so that a preempted job saves within seconds)."""
+    def evaluate_val_loss():
+        """The mean loss per learned token over the whole val split; None when a stop signal cut it short (asked
+        every 16 batches, so that a preempted job saves within seconds)."""
         val_loader.load_state({"pos": 0})
-        sums = torch.zeros(4, device=device)  # loss in nats, learned tokens; loss over tokens with bytes, their bytes
-        val_steps = len(val_tokens) // (B * world_size)
-        for i in progress(range(val_steps), "val loss"):
+        sums = torch.zeros(2, device=device)  # the loss over the learned tokens, and how many there are
+        for i in progress(range(len(val_tokens) // (B * world_size)), "val loss"):
             if i % 16 == 15 and agree(device)[-1]:
                 return None
             x, y = val_loader.next_batch()
-            learned = y >= 0
             with autocast_ctx:
-                logits, _ = model(x)
-            losses = F.cross_entropy(logits.float().flatten(0, 1), y.clamp(min=0).flatten(), reduction="none").view_as(y)
-            nbytes = bytes_per_token[y.clamp(min=0)] * learned
-            sums += torch.stack([(losses * learned).sum(), learned.sum(), (losses * (nbytes > 0)).sum(), nbytes.sum()])
+                sums += torch.stack([model(x, y, reduction="sum")[1], (y >= 0).sum().float()])
         if world_size > 1:
             dist.all_reduce(sums)
-        loss, learned_tokens, loss_with_bytes, total_bytes = sums.tolist()
-        return loss / learned_tokens, loss_with_bytes / math.log(2) / max(total_bytes, 1)
+        return (sums[0] / sums[1]).item()
 
     def save(step):
         save_training_checkpoint(raw_model, optimizers, scaler, args, step, kind="mid", loader=train_loader.state(),
@@ -721,17 +711,15 @@ def main(argv=None):
         last_step = step == args.max_steps
         evaluate = step % args.eval_every == 0 or last_step
 
-        # once in a while evaluate the val loss and bits per byte; a stop signal cuts it short, and then the run saves
-        # and stops
+        # once in a while evaluate the val loss; a stop signal cuts it short, and then the run saves and stops
         if evaluate and not stop:
-            evaluated = evaluate_val()
-            stop = evaluated is None
+            step_val_loss = evaluate_val_loss()
+            stop = step_val_loss is None
             if not stop:
-                val_loss, val_bpb = evaluated
+                val_loss = step_val_loss
                 if not math.isfinite(val_loss):  # diverged: no checkpoint of these weights
                     stop_diverged(step, f"val loss {val_loss}", optimizers[0].param_groups[0]["lr"], args.out_dir, False)
-                log({"step": step, "val_loss": val_loss, "val_bpb": val_bpb},
-                    f"step {step:5d} | val loss {val_loss:.4f} | val bpb {val_bpb:.4f}")
+                log({"step": step, "val_loss": val_loss}, f"step {step:5d} | val loss {val_loss:.4f}")
         if stop:
             save(step)  # older checkpoints stay: these weights have given no loss yet (the resumed run prunes)
             print0(f"stopped by signal at step {step}; continue with --resume", flush=True)
@@ -761,7 +749,7 @@ def main(argv=None):
         loss, grad_norm = train_step(model, optimizers, scaler, train_loader.next_batch, grad_accum_steps,
                                      step_tokens, args.grad_clip, autocast_ctx)
         loss, grad_norm, stop = agree(device, loss, grad_norm.float())  # the step's one host sync: now it is done
-        step_log.add(loss, grad_norm, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
         lr = optimizers[0].param_groups[0]["lr"]  # the lr AdamW stepped with
         saved = step > start_step and step % args.save_every == 0  # a checkpoint of the weights this step started from
         # diverged: stop before anything else is saved (float16's grad scaler skips a step whose gradients overflow)
@@ -770,9 +758,9 @@ def main(argv=None):
         if saved:  # its weights gave a finite loss: now the oldest checkpoint can go
             prune_checkpoints(args.out_dir, step, args.keep_checkpoints)
 
-        # the log: a line every log_every steps, with the means since the last one
+        # the log: a line every log_every steps
         if step % args.log_every == 0 or step == args.max_steps - 1:
-            log(*step_log.record(step, lr))
+            log(*step_log.record(step, loss, grad_norm, seconds, lr))
 
     if wandb_run:
         wandb_run.finish()
@@ -820,34 +808,25 @@ def stop_diverged(step, what, lr, out_dir, saved):
 
 
 class StepLog:
-    """The step lines: the losses of the steps since the last line and their time, averaged into the next one."""
+    """The step lines: a step's loss, lr, gradient norm, speed, peak memory, MFU and eta."""
 
     def __init__(self, args, tokens_per_step, flops_per_step, device):
         self.max_steps, self.tokens_per_step, self.flops_per_step = args.max_steps, tokens_per_step, flops_per_step
         name = torch.cuda.get_device_name(device) if device.startswith("cuda") else device
-        self.device, self.peak_flops, self.steps = device, args.peak_flops or PEAK_BF16_FLOPS.get(name), []
+        self.device, self.peak_flops = device, args.peak_flops or PEAK_BF16_FLOPS.get(name)
 
-    def add(self, loss, grad_norm, seconds):
-        self.steps.append((loss, grad_norm, seconds))
-
-    def record(self, step, lr):
-        """The log record and line, and a new interval. tok/s is over all ranks (which keep in step), MFU over all
-        devices; memory is rank 0's."""
-        losses, norms, seconds = zip(*self.steps)
-        n, step_s, memory = len(losses), sum(seconds) / len(losses), peak_memory_gib(self.device)
-        record = {"step": step, "loss": sum(losses) / n, "loss_last": losses[-1], "lr": lr, "grad_norm": sum(norms) / n,
-                  "tokens": (step + 1) * self.tokens_per_step, "ms": step_s * 1000,
-                  "tok_per_s": self.tokens_per_step / step_s, "peak_mem_gib": memory}
-        last = f" (last {losses[-1]:.6f})" if n > 1 else ""
-        line = (f"step {step:5d}/{self.max_steps} | loss {record['loss']:.6f}{last} | lr {lr:.4e} | norm "
-                f"{record['grad_norm']:.4f} | {step_s * 1000:.1f} ms | {record['tok_per_s']:,.0f} tok/s | "
-                f"{record['tokens']:,} tokens | mem {memory:.2f} GiB")
+    def record(self, step, loss, grad_norm, seconds, lr):
+        """The log record and line. tok/s is over all ranks (which keep in step), MFU over all devices; memory is
+        rank 0's."""
+        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": (step + 1) * self.tokens_per_step,
+                  "ms": seconds * 1000, "tok_per_s": self.tokens_per_step / seconds,
+                  "peak_mem_gib": peak_memory_gib(self.device), "eta_s": seconds * (self.max_steps - 1 - step)}
+        line = (f"step {step:5d}/{self.max_steps} | loss {loss:.6f} | lr {lr:.4e} | norm {grad_norm:.4f} | "
+                f"{seconds * 1000:.1f} ms | {record['tok_per_s']:,.0f} tok/s | {record['tokens']:,} tokens | "
+                f"mem {record['peak_mem_gib']:.2f} GiB | eta {record['eta_s'] / 60:,.1f} min")  # at this speed
         if self.peak_flops:
-            record["mfu"] = self.flops_per_step / step_s / (self.peak_flops * world_size)
+            record["mfu"] = self.flops_per_step / seconds / (self.peak_flops * world_size)
             line += f" | MFU {record['mfu'] * 100:.1f}%"
-        record["eta_s"] = step_s * (self.max_steps - 1 - step)  # at this speed, evals and checkpoints left out
-        line += f" | eta {duration(record['eta_s'])}"
-        self.steps = []
         return record, line
 
 
@@ -879,11 +858,6 @@ def peak_memory_gib(device):
         return torch.cuda.max_memory_allocated(device) / 2**30
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # the process's peak RSS (Linux: KiB)
-
-
-def duration(seconds):
-    s = int(seconds)
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
 def setup_training(raw_model, args, dtype):

@@ -145,7 +145,6 @@ def test_midtraining_lowers_val_loss_and_chats(base_ckpt, tmp_path):
                "--micro_batch_size", 8, "--lr", 1e-2, check=True)
     val = val_losses(out)
     assert val[100] < val[50] < val[0] - 5.0, val
-    assert "val bpb" in proc.stdout
     chat = subprocess.run([sys.executable, "sample.py", "--ckpt", str(out), "--chat", "--temperature", "0",
                            "--max_new_tokens", "20"], input="What is 3 plus 4?\n", cwd=REPO, capture_output=True,
                           text=True)

@@ -72,18 +72,15 @@ def test_loss_falls_on_real_text(shards, tmp_path):
     assert all(not k.startswith(("module.", "_orig_mod.")) for k in ckpt["model"])
 
 
-def test_log_every_keeps_mean_loss_last_loss_and_tokens(shards, tmp_path):
+def test_log_every_logs_every_nth_step_with_its_tokens(shards, tmp_path):
     flags = [*TINY, "--data_dir", shards, "--max_steps", 7, "--eval_every", 100]
     run("train_gpt2.py", *flags, "--out_dir", tmp_path / "every", check=True)
     sparse = run("train_gpt2.py", *flags, "--out_dir", tmp_path / "sparse", "--log_every", 3, check=True)
     per_step = {r["step"]: r for r in read_log(tmp_path / "every") if "loss" in r}
     logged = {r["step"]: r for r in read_log(tmp_path / "sparse") if "loss" in r}
     assert sorted(logged) == [0, 3, 6]
-    for step in (3, 6):  # each line covers the steps since the last one: 1-3, 4-6
-        steps = range(step - 2, step + 1)
-        assert logged[step]["loss"] == pytest.approx(np.mean([per_step[s]["loss"] for s in steps]), rel=1e-6)
-        assert logged[step]["grad_norm"] == pytest.approx(np.mean([per_step[s]["grad_norm"] for s in steps]), rel=1e-6)
-        assert logged[step]["loss_last"] == pytest.approx(per_step[step]["loss"], rel=1e-6)
+    for step in (3, 6):  # the step's own values: logging less changes nothing else
+        assert logged[step]["loss"] == per_step[step]["loss"] and logged[step]["grad_norm"] == per_step[step]["grad_norm"]
         assert logged[step]["tokens"] == (step + 1) * 256
     assert "step     3/7 | loss" in sparse.stdout and " | eta " in sparse.stdout
 
