@@ -269,7 +269,8 @@ class CausalSelfAttention(nn.Module):
         # new queries after cached keys see all of those and, among themselves, only the earlier ones; no mask where
         # none is needed (training, and decoding one token at a time), so that flash attention can run
         causal = k.size(2) == T
-        mask = None if causal or T == 1 else torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(k.size(2) - T)
+        mask = None if causal or T == 1 else \
+            torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(k.size(2) - T)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
@@ -327,7 +328,7 @@ class GPT(nn.Module):
         instead: their mean, or with reduction="sum" their sum (0 where there are none), which training divides itself.
         Returns (logits, loss), the one not computed None."""
         start, T = kv_cache.pos if kv_cache is not None else 0, idx.size(1)
-        assert start + T <= self.config.block_size, f"sequence of {start + T} is past the context {self.config.block_size}"
+        assert start + T <= self.config.block_size, f"{start + T} tokens are past the context {self.config.block_size}"
         x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(start, start + T, device=idx.device))
         for block in self.transformer.h:
             x = block(x, kv_cache)
@@ -337,7 +338,8 @@ class GPT(nn.Module):
         if targets is None:
             return self.lm_head(x), None
         # training: the loss without the whole logits (ChunkedCrossEntropy, in the training scripts' "loss" block)
-        loss = ChunkedCrossEntropy.apply(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), torch.is_grad_enabled())
+        loss = ChunkedCrossEntropy.apply(x.flatten(0, 1), self.lm_head.weight, targets.flatten(),
+                                         torch.is_grad_enabled())
         return None, loss if reduction == "sum" else loss / (targets >= 0).sum()
 # ---- end shared: model ----
 

@@ -350,7 +350,9 @@ def die(message):
 def ranged(kind, low, high=float("inf"), low_open=False, high_open=False):
     """An argparse type: a `kind` (int or float) in [low, high], an end left out with low_open / high_open. A bad
     value is then a one-line error at parse time that names the flag and the range, e.g. `argument --lr: ...`."""
-    bounds = f"{'>' if low_open else '>='} {low}" + (f" and {'<' if high_open else '<='} {high}" if high < float("inf") else "")
+    bounds = f"{'>' if low_open else '>='} {low}"
+    if high < float("inf"):
+        bounds += f" and {'<' if high_open else '<='} {high}"
 
     def parse(text):
         try:

@@ -149,7 +149,8 @@ class CausalSelfAttention(nn.Module):
         # new queries after cached keys see all of those and, among themselves, only the earlier ones; no mask where
         # none is needed (training, and decoding one token at a time), so that flash attention can run
         causal = k.size(2) == T
-        mask = None if causal or T == 1 else torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(k.size(2) - T)
+        mask = None if causal or T == 1 else \
+            torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(k.size(2) - T)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
@@ -207,7 +208,7 @@ class GPT(nn.Module):
         instead: their mean, or with reduction="sum" their sum (0 where there are none), which training divides itself.
         Returns (logits, loss), the one not computed None."""
         start, T = kv_cache.pos if kv_cache is not None else 0, idx.size(1)
-        assert start + T <= self.config.block_size, f"sequence of {start + T} is past the context {self.config.block_size}"
+        assert start + T <= self.config.block_size, f"{start + T} tokens are past the context {self.config.block_size}"
         x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(start, start + T, device=idx.device))
         for block in self.transformer.h:
             x = block(x, kv_cache)
@@ -217,7 +218,8 @@ class GPT(nn.Module):
         if targets is None:
             return self.lm_head(x), None
         # training: the loss without the whole logits (ChunkedCrossEntropy, in the training scripts' "loss" block)
-        loss = ChunkedCrossEntropy.apply(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), torch.is_grad_enabled())
+        loss = ChunkedCrossEntropy.apply(x.flatten(0, 1), self.lm_head.weight, targets.flatten(),
+                                         torch.is_grad_enabled())
         return None, loss if reduction == "sum" else loss / (targets >= 0).sum()
 # ---- end shared: model ----
 
@@ -380,8 +382,9 @@ class ShardLoader:
         if self.window == len(self.windows_in_order):  # the shard is done: the next one, or the next epoch
             more = self.shard + 1 < len(self.shards)
             self.seek(self.epoch + (not more), self.shard + 1 if more else 0, 0, 0)
-        start = ((self.windows_in_order[self.window] * self.span + self.micro) * self.world_size + self.rank) * self.B * self.T
-        buf = torch.from_numpy(self.shards[self.shards_in_order[self.shard]][start: start + self.B * self.T + 1].astype(np.int64))
+        window, shard = self.windows_in_order[self.window], self.shards[self.shards_in_order[self.shard]]
+        start = ((window * self.span + self.micro) * self.world_size + self.rank) * self.B * self.T
+        buf = torch.from_numpy(shard[start: start + self.B * self.T + 1].astype(np.int64))
         self.micro += 1
         if self.micro == self.span:
             self.window, self.micro = self.window + 1, 0
@@ -459,7 +462,7 @@ def main(argv=None):
             f"([PREFIX_]train_N.bin, [PREFIX_]val_N.bin, or .npy); make them with prepare_fineweb.py "
             f"(python prepare_fineweb.py --demo for a small offline set)")
     if args.hellaswag_file and not os.path.isfile(args.hellaswag_file):
-        die(f"--hellaswag_file {args.hellaswag_file} is not a file; python hellaswag.py downloads it into data/hellaswag")
+        die(f"--hellaswag_file {args.hellaswag_file} is not a file; python hellaswag.py downloads it to data/hellaswag")
     B, T = args.micro_batch_size, args.seq_len
     grad_accum_steps, rest = divmod(args.total_batch_size, B * T * world_size)
     if rest:
@@ -661,8 +664,8 @@ class StepLog:
     def record(self, step, loss, grad_norm, seconds, lr):
         """The log record and line. tok/s is over all ranks (which keep in step), MFU over all devices; memory is
         rank 0's."""
-        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": (step + 1) * self.tokens_per_step,
-                  "ms": seconds * 1000, "tok_per_s": self.tokens_per_step / seconds,
+        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                  "tokens": (step + 1) * self.tokens_per_step, "ms": seconds * 1000, "tok_per_s": self.tokens_per_step / seconds,
                   "peak_mem_gib": peak_memory_gib(self.device), "eta_s": seconds * (self.max_steps - 1 - step)}
         line = (f"step {step:5d}/{self.max_steps} | loss {loss:.6f} | lr {lr:.4e} | norm {grad_norm:.4f} | "
                 f"{seconds * 1000:.1f} ms | {record['tok_per_s']:,.0f} tok/s | {record['tokens']:,} tokens | "
@@ -796,7 +799,8 @@ def resume_args(parser, argv, fixed):
             f"resumed run keeps it (its model, optimizer and data split); drop --{key}, or start afresh in another "
             f"--out_dir")
     if changed:
-        print0("resume: flags changed since the checkpoint: " + ", ".join(f"{k} {saved[k]} -> {vars(args)[k]}" for k in changed))
+        print0("resume: flags changed since the checkpoint: "
+               + ", ".join(f"{k} {saved[k]} -> {vars(args)[k]}" for k in changed))
     args.resume = path
     return args
 
@@ -1228,7 +1232,9 @@ def die(message):
 def ranged(kind, low, high=float("inf"), low_open=False, high_open=False):
     """An argparse type: a `kind` (int or float) in [low, high], an end left out with low_open / high_open. A bad
     value is then a one-line error at parse time that names the flag and the range, e.g. `argument --lr: ...`."""
-    bounds = f"{'>' if low_open else '>='} {low}" + (f" and {'<' if high_open else '<='} {high}" if high < float("inf") else "")
+    bounds = f"{'>' if low_open else '>='} {low}"
+    if high < float("inf"):
+        bounds += f" and {'<' if high_open else '<='} {high}"
 
     def parse(text):
         try:
