@@ -405,18 +405,15 @@ class GPT(nn.Module):
 
 # ---- shared: pretrained ----
 def gpt_from_pretrained(model_type):
-    """OpenAI's GPT-2 through transformers, from the Hugging Face cache or the hub (which offline fails at once)."""
+    """OpenAI's GPT-2 through transformers, from the Hugging Face cache, or the hub where it answers."""
     try:
         from transformers import GPT2LMHeadModel
+        hf_model = GPT2LMHeadModel.from_pretrained(model_type, local_files_only=not hub_reachable())
     except ImportError:
         die(f"loading {model_type} needs transformers: pip install transformers")
-    try:  # the cache first, then the hub if it answers
-        hf_model = GPT2LMHeadModel.from_pretrained(model_type, local_files_only=True)
-    except OSError:
-        if not hub_reachable():
-            die(f"OpenAI's {model_type} weights are not in the Hugging Face cache and the hub cannot be reached; "
-                f"go online once to download them")
-        hf_model = GPT2LMHeadModel.from_pretrained(model_type)
+    except OSError as e:
+        die(f"OpenAI's {model_type} weights are not in the Hugging Face cache and the hub cannot be reached "
+            f"({str(e).splitlines()[0]}); go online once to download them")
     model = GPT(GPTConfig(**MODEL_SIZES[model_type]))
     load_hf_state_dict(model, hf_model.state_dict())
     return model

@@ -269,18 +269,15 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
 # ---- shared: pretrained ----
 def gpt_from_pretrained(model_type):
-    """OpenAI's GPT-2 through transformers, from the Hugging Face cache or the hub (which offline fails at once)."""
+    """OpenAI's GPT-2 through transformers, from the Hugging Face cache, or the hub where it answers."""
     try:
         from transformers import GPT2LMHeadModel
+        hf_model = GPT2LMHeadModel.from_pretrained(model_type, local_files_only=not hub_reachable())
     except ImportError:
         die(f"loading {model_type} needs transformers: pip install transformers")
-    try:  # the cache first, then the hub if it answers
-        hf_model = GPT2LMHeadModel.from_pretrained(model_type, local_files_only=True)
-    except OSError:
-        if not hub_reachable():
-            die(f"OpenAI's {model_type} weights are not in the Hugging Face cache and the hub cannot be reached; "
-                f"go online once to download them")
-        hf_model = GPT2LMHeadModel.from_pretrained(model_type)
+    except OSError as e:
+        die(f"OpenAI's {model_type} weights are not in the Hugging Face cache and the hub cannot be reached "
+            f"({str(e).splitlines()[0]}); go online once to download them")
     model = GPT(GPTConfig(**MODEL_SIZES[model_type]))
     load_hf_state_dict(model, hf_model.state_dict())
     return model
@@ -909,17 +906,15 @@ def micro_batch_advice(B, T, total_batch_size):
 
 def save_training_checkpoint(raw_model, optimizers, scaler, args, step, **fields):
     """Every rank calls it (gathering FSDP shards is a collective); rank 0 writes the model, optimizer and scaler
-    state, step, config, flags and RNG states, plus the script's own fields (data position, val loss...)."""
+    state, step, config and flags, plus the script's own fields (data position, val loss...)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     # full state dicts on rank 0, the optimizer's keyed by parameter name: one format, sharded or not
     model_state, optimizer_state = get_state_dict(raw_model, optimizers, options=StateDictOptions(
         full_state_dict=True, cpu_offload=True))
     if master_process:
-        rng = {"cpu": torch.get_rng_state()}
-        if torch.cuda.is_initialized():
-            rng["cuda"] = torch.cuda.get_rng_state()
+        # no RNG state: a step draws no random numbers (no dropout; the samples have their own generator)
         checkpoint = {"model": model_state, "optimizer": optimizer_state, "scaler": scaler.state_dict(), "step": step,
-                      "config": asdict(raw_model.config), "args": vars(args), "rng": rng, **fields}
+                      "config": asdict(raw_model.config), "args": vars(args), **fields}
         path = os.path.join(args.out_dir, f"ckpt_{step:07d}.pt")
         older = sorted(glob.glob(os.path.join(args.out_dir, CHECKPOINT_GLOB)))
         write_file(path, lambda f: torch.save(checkpoint, f),
@@ -962,7 +957,7 @@ def resume_args(parser, argv, fixed):
 
 
 def restore_training_state(checkpoint, raw_model, optimizers, scaler):
-    """Optimizer, scaler and RNG state; returns (step, val_loss, wandb_run_id) to go on from. The optimizers keep
+    """Optimizer and scaler state; returns (step, val_loss, wandb_run_id) to go on from. The optimizers keep
     this run's hyperparameters (lr...): the old run's would silently override a new --lr."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
     hyper = [[{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups] for opt in optimizers]
@@ -971,9 +966,6 @@ def restore_training_state(checkpoint, raw_model, optimizers, scaler):
         for group, values in zip(opt.param_groups, groups):
             group.update(values)
     scaler.load_state_dict(checkpoint["scaler"])
-    torch.set_rng_state(checkpoint["rng"]["cpu"])
-    if "cuda" in checkpoint["rng"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state(checkpoint["rng"]["cuda"])
     return checkpoint["step"], checkpoint["val_loss"], checkpoint["wandb_run_id"]
 # ---- end shared: loop ----
 
