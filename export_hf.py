@@ -266,12 +266,9 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         if kv_cache is not None:
             k, v = kv_cache.store(self.layer, k, v)
-        # new queries after cached keys see all of those and, among themselves, only the earlier ones; no mask where
-        # none is needed (training, and decoding one token at a time), so that flash attention can run
-        causal = k.size(2) == T
-        mask = None if causal or T == 1 else \
-            torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(k.size(2) - T)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        # a cache is filled from position 0 (the prompt: causal) and then a token at a time (it sees every key): no
+        # mask, so that flash attention can run
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=k.size(2) == T)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
@@ -348,14 +345,14 @@ class GPT(nn.Module):
 CHECKPOINT_GLOB = "ckpt_*.pt"
 
 
-def load_checkpoint(path, device="cpu", mmap=False):
+def load_checkpoint(path, mmap=False):
     """(checkpoint, its path): a checkpoint file, or the newest readable one in an out_dir, where an unreadable newer
     one (a truncated, empty or foreign file) is passed over with a line. None readable is a one-line error."""
     found = [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)), reverse=True)
     problems = []
     for candidate in found:
         try:
-            checkpoint = torch.load(candidate, map_location=device, weights_only=True, mmap=mmap)  # mmap: read lazily
+            checkpoint = torch.load(candidate, map_location="cpu", weights_only=True, mmap=mmap)  # mmap: read lazily
             if isinstance(checkpoint, dict) and {"model", "config"} <= checkpoint.keys():
                 if problems:
                     print0(f"passing over {'; '.join(problems)}; using {candidate}", file=sys.stderr)

@@ -154,12 +154,9 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         if kv_cache is not None:
             k, v = kv_cache.store(self.layer, k, v)
-        # new queries after cached keys see all of those and, among themselves, only the earlier ones; no mask where
-        # none is needed (training, and decoding one token at a time), so that flash attention can run
-        causal = k.size(2) == T
-        mask = None if causal or T == 1 else \
-            torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(k.size(2) - T)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        # a cache is filled from position 0 (the prompt: causal) and then a token at a time (it sees every key): no
+        # mask, so that flash attention can run
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=k.size(2) == T)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
@@ -298,16 +295,14 @@ def load_hf_state_dict(model, hf_state):
 
 
 # ---- shared: hub ----
-def hub_reachable(timeout=3):
-    """Whether the Hugging Face hub (HF_ENDPOINT where a mirror is set) answers a quick probe, HF_HUB_OFFLINE unset:
-    offline, the libraries retry it for a while, a line on stderr each time, before they fail."""
+def hub_reachable():
+    """Whether the Hugging Face hub (HF_ENDPOINT where a mirror is set) answers a quick probe: offline, the libraries
+    retry it for a while, a line on stderr each time, before they fail."""
     import socket
     from urllib.parse import urlparse
     url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     try:
-        if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
-            return False
-        socket.create_connection((url.hostname, url.port or (80 if url.scheme == "http" else 443)), timeout).close()
+        socket.create_connection((url.hostname, url.port or (80 if url.scheme == "http" else 443)), timeout=3).close()
         return True
     except (OSError, ValueError):
         return False
@@ -1060,14 +1055,14 @@ def log_record(line):
 CHECKPOINT_GLOB = "ckpt_*.pt"
 
 
-def load_checkpoint(path, device="cpu", mmap=False):
+def load_checkpoint(path, mmap=False):
     """(checkpoint, its path): a checkpoint file, or the newest readable one in an out_dir, where an unreadable newer
     one (a truncated, empty or foreign file) is passed over with a line. None readable is a one-line error."""
     found = [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)), reverse=True)
     problems = []
     for candidate in found:
         try:
-            checkpoint = torch.load(candidate, map_location=device, weights_only=True, mmap=mmap)  # mmap: read lazily
+            checkpoint = torch.load(candidate, map_location="cpu", weights_only=True, mmap=mmap)  # mmap: read lazily
             if isinstance(checkpoint, dict) and {"model", "config"} <= checkpoint.keys():
                 if problems:
                     print0(f"passing over {'; '.join(problems)}; using {candidate}", file=sys.stderr)
@@ -1326,11 +1321,10 @@ def ranged(kind, low, high=float("inf"), low_open=False, high_open=False):
 
 
 positive_int, nonneg_int = ranged(int, 1), ranged(int, 0)
+# ---- end shared: flags ----
 positive_float, nonneg_float = ranged(float, 0, low_open=True), ranged(float, 0)
 fraction = ranged(float, 0, 1)  # a share or a ratio, 0 to 1
-unit_interval = ranged(float, 0, 1, low_open=True)  # a probability mass such as top_p: (0, 1]
 seed_int = ranged(int, 0, 2**32 - 1)  # what every RNG we seed takes
-# ---- end shared: flags ----
 
 
 if __name__ == "__main__":

@@ -367,10 +367,6 @@ def ranged(kind, low, high=float("inf"), low_open=False, high_open=False):
 
 
 positive_int, nonneg_int = ranged(int, 1), ranged(int, 0)
-positive_float, nonneg_float = ranged(float, 0, low_open=True), ranged(float, 0)
-fraction = ranged(float, 0, 1)  # a share or a ratio, 0 to 1
-unit_interval = ranged(float, 0, 1, low_open=True)  # a probability mass such as top_p: (0, 1]
-seed_int = ranged(int, 0, 2**32 - 1)  # what every RNG we seed takes
 # ---- end shared: flags ----
 
 
@@ -428,16 +424,14 @@ def write_file(path, write, fix):
 
 
 # ---- shared: hub ----
-def hub_reachable(timeout=3):
-    """Whether the Hugging Face hub (HF_ENDPOINT where a mirror is set) answers a quick probe, HF_HUB_OFFLINE unset:
-    offline, the libraries retry it for a while, a line on stderr each time, before they fail."""
+def hub_reachable():
+    """Whether the Hugging Face hub (HF_ENDPOINT where a mirror is set) answers a quick probe: offline, the libraries
+    retry it for a while, a line on stderr each time, before they fail."""
     import socket
     from urllib.parse import urlparse
     url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     try:
-        if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
-            return False
-        socket.create_connection((url.hostname, url.port or (80 if url.scheme == "http" else 443)), timeout).close()
+        socket.create_connection((url.hostname, url.port or (80 if url.scheme == "http" else 443)), timeout=3).close()
         return True
     except (OSError, ValueError):
         return False

@@ -7,7 +7,7 @@ Generate text from a checkpoint of train_gpt2.py or mid_train.py, or from OpenAI
     python sample.py --ckpt out/mid --chat
 
 Generation uses a KV cache: the prompt is run once, then one token per forward pass. When a sample outgrows the
-model's context, the last half of it is kept and run again, and generation goes on (--no_cache slides by one token).
+model's context, the last half of it is kept and run again, and generation goes on.
 """
 
 import argparse
@@ -29,8 +29,9 @@ def get_args(argv=None):
     p = argparse.ArgumentParser(description="Sample from a GPT-2 checkpoint, or chat with a midtrained one.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.error = die
-    p.add_argument("--ckpt", help="checkpoint file, or an out_dir (its newest checkpoint)")
-    p.add_argument("--hf", choices=list(MODEL_SIZES), help="OpenAI's GPT-2 weights through transformers instead")
+    model = p.add_mutually_exclusive_group(required=True)  # one of the two
+    model.add_argument("--ckpt", help="checkpoint file, or an out_dir (its newest checkpoint)")
+    model.add_argument("--hf", choices=list(MODEL_SIZES), help="OpenAI's GPT-2 weights through transformers instead")
     p.add_argument("--prompt", help="prompt text (default: stdin if it is piped, e.g. < prompt.txt, else <|endoftext|>)")
     p.add_argument("--num_samples", type=positive_int, default=1, help="samples to generate")
     p.add_argument("--max_new_tokens", type=positive_int, default=256, help="new tokens per sample at most")
@@ -38,36 +39,28 @@ def get_args(argv=None):
     p.add_argument("--top_k", type=nonneg_int, default=50, help="sample among the k likeliest tokens (0: all)")
     p.add_argument("--top_p", type=unit_interval, default=1.0, help="nucleus sampling: the likeliest tokens up to this mass")
     p.add_argument("--seed", type=seed_int, default=1337, help="random seed; the same seed gives the same samples")
-    p.add_argument("--no_cache", action="store_true", help="recompute the whole context every token (slow; for checks)")
     p.add_argument("--chat", action="store_true", help="interactive multi-turn chat with a mid_train.py checkpoint")
     p.add_argument("--device", default="auto", help="auto, cuda, mps or cpu")
-    p.add_argument("--threads", type=nonneg_int, default=0,
-                   help="CPU threads (0: OMP_NUM_THREADS where set, else 1): decoding a token at a time, many "
-                        "threads stall whenever another process holds a core (bench/RESULTS.md)")
     p.add_argument("--dtype", default="float32", choices=["auto", "bfloat16", "float16", "float32"],
                    help="dtype of the matmuls, under autocast with float32 weights; auto: as in train_gpt2.py")
-    p.add_argument("--cast_weights", action="store_true",
-                   help="cast the weights themselves to --dtype (faster, less accurate)")
-    args = p.parse_args(argv)
-    if (args.ckpt is None) == (args.hf is None):
-        die("give a checkpoint with --ckpt, or --hf gpt2 for OpenAI's weights")
-    return args
+    return p.parse_args(argv)
 
 
 # -----------------------------------------------------------------------------
 # generation with a KV cache
 
 class KVCache:
-    """Keys and values of the tokens seen so far, for generation: the prompt is run once, then one token a step."""
+    """Keys and values of the tokens seen so far, for generation: the prompt is run once, then one token a step.
+    Appending copies a layer's cache (torch.cat): next to the weights that every token reads, a small cost."""
 
-    def __init__(self, n_layer, max_len):
-        self.n_layer, self.max_len, self.pos, self.kv = n_layer, max_len, 0, None  # pos: tokens in the cache
+    def __init__(self):
+        self.pos, self.kv = 0, {}  # pos: tokens in the cache; kv: a layer's keys and values, (B, head, position, dim)
 
     def store(self, layer, k, v):
-        if self.kv is None:  # (keys and values, layer, B, head, position, dim), in the dtype attention runs in
-            self.kv = k.new_zeros(2, self.n_layer, *k.shape[:2], self.max_len, k.size(3))
-        self.kv[:, layer, :, :, self.pos: self.pos + k.size(2)] = torch.stack([k, v])
-        return self.kv[:, layer, :, :, : self.pos + k.size(2)].unbind()
+        if layer in self.kv:
+            k, v = (torch.cat([old, new], dim=2) for old, new in zip(self.kv[layer], (k, v)))
+        self.kv[layer] = k, v
+        return k, v
 
 
 def filter_logits(logits, top_k=None, top_p=None):
@@ -90,7 +83,7 @@ def generate(model, idx, max_new_tokens, n_vocab, temperature=1.0, top_k=None, t
     temperature 0, else sampled from the top_k / top_p. With the cache, one token per forward (a full context keeps
     its last half); without, the last block_size tokens each step."""
     block_size = model.config.block_size
-    kv_cache = KVCache(model.config.n_layer, block_size) if use_cache else None
+    kv_cache = KVCache() if use_cache else None
     next_input = idx[:, -block_size:]
     for _ in range(max_new_tokens):
         with autocast_ctx:
@@ -103,7 +96,7 @@ def generate(model, idx, max_new_tokens, n_vocab, temperature=1.0, top_k=None, t
         yield token
         idx = torch.cat([idx, token], dim=1)
         if use_cache and kv_cache.pos == block_size:
-            kv_cache = KVCache(model.config.n_layer, block_size)
+            kv_cache = KVCache()
             next_input = idx[:, -(block_size // 2):]
         else:
             next_input = token if use_cache else idx[:, -block_size:]
@@ -113,7 +106,7 @@ def generate(model, idx, max_new_tokens, n_vocab, temperature=1.0, top_k=None, t
 # streaming and chat
 
 
-def stream(tokens, enc, stop_tokens, out=sys.stdout):
+def stream(tokens, enc, stop_tokens):
     """Write tokens to the terminal as they come, until a stop token; return the ids written."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character may span several tokens
     ids = []
@@ -122,9 +115,8 @@ def stream(tokens, enc, stop_tokens, out=sys.stdout):
         if token in stop_tokens:
             break
         ids.append(token)
-        out.write(decoder.decode(enc.decode_single_token_bytes(token)))
-        out.flush()
-    out.write(decoder.decode(b"", final=True))
+        print(decoder.decode(enc.decode_single_token_bytes(token)), end="", flush=True)
+    print(decoder.decode(b"", final=True), end="")
     return ids
 
 
@@ -133,20 +125,17 @@ def chat(enc, generate_from):
     With piped input each user turn is echoed, so that the output reads as the conversation."""
     stop = {enc.encode_single_token("<|assistant_end|>"), EOT_TOKEN}
     messages = []
-    piped = not sys.stdin.isatty()
+    tty = sys.stdin.isatty()
     print("chat with the model; an empty line or Ctrl-D ends it", file=sys.stderr)
     while True:
-        if piped:
-            user = sys.stdin.readline().rstrip("\n")
-            if user.strip():
-                print(f"user: {user}")
-        else:
-            try:
-                user = input("user: ")
-            except EOFError:
-                break
+        try:
+            user = input("user: " if tty else "")
+        except EOFError:
+            break
         if not user.strip():
             break
+        if not tty:
+            print(f"user: {user}")
         messages.append({"role": "user", "content": user})
         print("assistant: ", end="", flush=True)
         reply = stream(generate_from(render_for_reply(enc, messages)), enc, stop)
@@ -159,12 +148,11 @@ def main(argv=None):
     device = init_distributed(args.device)
     device_type = device.split(":")[0]
     try:  # the prompt first: a bad one fails before the model loads
-        prompt = args.prompt if args.prompt is not None or args.chat or sys.stdin.isatty() else \
+        prompt = (args.prompt or "") if args.prompt is not None or args.chat or sys.stdin.isatty() else \
             sys.stdin.buffer.read().decode()
     except UnicodeDecodeError:
         die("the prompt on stdin is not UTF-8 text; convert it, e.g. with iconv")
-    on_out_of_memory("sampling runs one sequence at a time: give --cast_weights --dtype bfloat16 (weights in bf16), "
-                     "or --device cpu")
+    on_out_of_memory("sampling runs one sequence at a time, so the model does not fit: give --device cpu")
     checkpoint, path = load_checkpoint(args.ckpt) if args.ckpt else ({}, args.hf)
     kind = checkpoint.get("kind", "base")
     if args.chat and kind != "mid":  # before any line on stderr: a failing run's stderr is its one error line
@@ -173,25 +161,23 @@ def main(argv=None):
     if args.ckpt:
         print(f"loaded {path} ({kind}, step {checkpoint.get('step')})", file=sys.stderr)
     del checkpoint
-    if device_type == "cpu":  # many threads on small single-token matmuls stall whenever another process has a core
-        threads = args.threads or (torch.get_num_threads() if os.environ.get("OMP_NUM_THREADS") else 1)
-        torch.set_num_threads(threads)
-        print(f"cpu threads: {torch.get_num_threads()} (--threads N to change)", file=sys.stderr)
-    dtype = autocast_dtype(args.dtype, device_type)
-    model.to(device=device, dtype=dtype if args.cast_weights else torch.float32).eval()
-    autocast_ctx = nullcontext() if args.cast_weights else autocast_context(device_type, dtype)
+    if device_type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
+        # decoding a token at a time, many threads on small matmuls stall whenever another process has a core
+        torch.set_num_threads(1)
+        print("cpu threads: 1 (OMP_NUM_THREADS=N to change)", file=sys.stderr)
+    model.to(device).eval()
+    autocast_ctx = autocast_context(device_type, autocast_dtype(args.dtype, device_type))
     enc = get_chat_tokenizer() if kind == "mid" else get_tokenizer()
     generator = torch.Generator(device).manual_seed(args.seed)
 
     def generate_from(ids):
         idx = torch.tensor([ids], dtype=torch.long, device=device)
         return generate(model, idx, args.max_new_tokens, enc.n_vocab, args.temperature, args.top_k or None,
-                        args.top_p, generator, use_cache=not args.no_cache, autocast_ctx=autocast_ctx)
+                        args.top_p, generator, autocast_ctx=autocast_ctx)
 
     if args.chat:
         return chat(enc, generate_from)
 
-    prompt = prompt or ""
     prompt_ids = enc.encode_ordinary(prompt) or [EOT_TOKEN]  # generate() keeps the end of a long one: what it continues
     for i in range(args.num_samples):
         if i:
@@ -249,11 +235,10 @@ def ranged(kind, low, high=float("inf"), low_open=False, high_open=False):
 
 
 positive_int, nonneg_int = ranged(int, 1), ranged(int, 0)
-positive_float, nonneg_float = ranged(float, 0, low_open=True), ranged(float, 0)
-fraction = ranged(float, 0, 1)  # a share or a ratio, 0 to 1
+# ---- end shared: flags ----
+nonneg_float = ranged(float, 0)
 unit_interval = ranged(float, 0, 1, low_open=True)  # a probability mass such as top_p: (0, 1]
 seed_int = ranged(int, 0, 2**32 - 1)  # what every RNG we seed takes
-# ---- end shared: flags ----
 
 
 # ---- shared: tokenizer ----
@@ -346,12 +331,9 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         if kv_cache is not None:
             k, v = kv_cache.store(self.layer, k, v)
-        # new queries after cached keys see all of those and, among themselves, only the earlier ones; no mask where
-        # none is needed (training, and decoding one token at a time), so that flash attention can run
-        causal = k.size(2) == T
-        mask = None if causal or T == 1 else \
-            torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(k.size(2) - T)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        # a cache is filled from position 0 (the prompt: causal) and then a token at a time (it sees every key): no
+        # mask, so that flash attention can run
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=k.size(2) == T)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
@@ -455,16 +437,14 @@ def load_hf_state_dict(model, hf_state):
 
 
 # ---- shared: hub ----
-def hub_reachable(timeout=3):
-    """Whether the Hugging Face hub (HF_ENDPOINT where a mirror is set) answers a quick probe, HF_HUB_OFFLINE unset:
-    offline, the libraries retry it for a while, a line on stderr each time, before they fail."""
+def hub_reachable():
+    """Whether the Hugging Face hub (HF_ENDPOINT where a mirror is set) answers a quick probe: offline, the libraries
+    retry it for a while, a line on stderr each time, before they fail."""
     import socket
     from urllib.parse import urlparse
     url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     try:
-        if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
-            return False
-        socket.create_connection((url.hostname, url.port or (80 if url.scheme == "http" else 443)), timeout).close()
+        socket.create_connection((url.hostname, url.port or (80 if url.scheme == "http" else 443)), timeout=3).close()
         return True
     except (OSError, ValueError):
         return False
@@ -537,14 +517,14 @@ def exit_on_out_of_memory(main):
 CHECKPOINT_GLOB = "ckpt_*.pt"
 
 
-def load_checkpoint(path, device="cpu", mmap=False):
+def load_checkpoint(path, mmap=False):
     """(checkpoint, its path): a checkpoint file, or the newest readable one in an out_dir, where an unreadable newer
     one (a truncated, empty or foreign file) is passed over with a line. None readable is a one-line error."""
     found = [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)), reverse=True)
     problems = []
     for candidate in found:
         try:
-            checkpoint = torch.load(candidate, map_location=device, weights_only=True, mmap=mmap)  # mmap: read lazily
+            checkpoint = torch.load(candidate, map_location="cpu", weights_only=True, mmap=mmap)  # mmap: read lazily
             if isinstance(checkpoint, dict) and {"model", "config"} <= checkpoint.keys():
                 if problems:
                     print0(f"passing over {'; '.join(problems)}; using {candidate}", file=sys.stderr)

@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import mid_train as mt  # noqa: E402
 import prepare_fineweb  # noqa: E402  (the demo's names, and which are held out)
+import sample  # noqa: E402  (generate: greedy with the KV cache)
 
 STOP_WORDS = set("""a an and are as at be been but by can do does for from has have if in into is it its of on or so
 such than that the their then there these this those to was were when which while will with would not no yes
@@ -94,8 +95,8 @@ def main():
     for name, _ in asked:
         prompt = mt.render_for_reply(enc, [{"role": "user", "content": f"What does {name} do?"}])
         reply = []
-        for token in mt.generate(model, torch.tensor([prompt], device=args.device), args.max_new_tokens, enc.n_vocab,
-                                 temperature=0):
+        for token in sample.generate(model, torch.tensor([prompt], device=args.device), args.max_new_tokens,
+                                     enc.n_vocab, temperature=0):
             if token.item() in stop:
                 ended += 1
                 break

@@ -47,7 +47,8 @@ def teach(model, args):
 
 
 def main():
-    class Formatter(argparse.RawDescriptionHelpFormatter, tg.HelpFormatter):  # the usage text as written, defaults shown
+    # the usage text as written, defaults shown
+    class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
         pass
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)

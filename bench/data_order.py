@@ -6,8 +6,9 @@ it sees both from the start. Prints both val loss curves over one epoch.
     python bench/data_order.py   # A: the Python stdlib's source, B: ../shared/data/tinyshakespeare_input.txt
     python bench/data_order.py --text_a 'some/*.parquet' --text_b 'other/*.txt'
 
-With --data_ms it instead runs the demo config for a few dozen steps in each order and prints the median of
-the step lines' data column (needs data/demo: python prepare_fineweb.py --demo).
+With --step_ms it instead runs the demo config for a few dozen steps in each order and prints the median of
+the step lines' ms (the whole step: the log has no data column of its own; needs data/demo: python
+prepare_fineweb.py --demo).
 """
 
 import argparse
@@ -79,16 +80,16 @@ def curves(args):
         print(f"| {step} | {step / steps:.3f} | {results['sequential'][step]:.3f} | {results['shuffled'][step]:.3f} |")
 
 
-def data_ms(args):
+def step_ms(args):
     medians = {}
     for order in ("sequential", "shuffled"):
-        out = os.path.join(args.work_dir, f"data_ms_{order}")
+        out = os.path.join(args.work_dir, f"step_ms_{order}")
         run(["train_gpt2.py", "--demo", "--data_order", order, "--max_steps", str(args.steps), "--out_dir", out,
              "--eval_every", str(10 * args.steps), "--val_tokens", "4096", "--num_samples", "0",
              "--save_every", str(10 * args.steps), *args.extra])
-        values = sorted(r["data_ms"] for r in read_log(out) if "data_ms" in r and r["step"] >= 2)
+        values = sorted(r["ms"] for r in read_log(out) if "ms" in r and r["step"] >= 2)
         medians[order] = values[len(values) // 2]
-    print("\n| order | median data_ms |\n|---|---:|")
+    print("\n| order | median step ms |\n|---|---:|")
     for order, ms in medians.items():
         print(f"| {order} | {ms:.3f} |")
 
@@ -105,11 +106,11 @@ def main():
     p.add_argument("--total_batch_size", type=int, default=512, help="tokens per step")
     p.add_argument("--evals", type=int, default=8, help="val losses over the epoch")
     p.add_argument("--work_dir", default="out/bench-data-order", help="shards and runs go here")
-    p.add_argument("--data_ms", action="store_true", help="measure the loader's data_ms on the demo config instead")
-    p.add_argument("--steps", type=int, default=40, help="--data_ms: steps of each run")
-    p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="--data_ms: more train_gpt2.py flags")
+    p.add_argument("--step_ms", action="store_true", help="measure the median step ms on the demo config instead")
+    p.add_argument("--steps", type=int, default=40, help="--step_ms: steps of each run")
+    p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="--step_ms: more train_gpt2.py flags")
     args = p.parse_args()
-    data_ms(args) if args.data_ms else curves(args)
+    step_ms(args) if args.step_ms else curves(args)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import sample  # noqa: E402  (generate, as sample.py draws)
 import train_gpt2 as tg  # noqa: E402
 
 
@@ -60,7 +61,8 @@ def loss_per_byte(model, tokens, nbytes, max_tokens):
 
 
 def main():
-    class Formatter(argparse.RawDescriptionHelpFormatter, tg.HelpFormatter):  # the usage text as written, defaults shown
+    # the usage text as written, defaults shown
+    class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
         pass
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
@@ -96,7 +98,7 @@ def main():
     prompt = enc.encode_ordinary(args.prompt) if args.prompt else [tg.EOT_TOKEN]
     idx = torch.tensor([prompt] * args.num_samples)
     generator = torch.Generator().manual_seed(args.seed)
-    rows = torch.cat(list(tg.generate(model, idx, args.sample_len, enc.n_vocab, top_k=50, generator=generator)),
+    rows = torch.cat(list(sample.generate(model, idx, args.sample_len, enc.n_vocab, top_k=50, generator=generator)),
                      dim=1).numpy()
     sample_share = blank[rows].mean()
     if not args.quiet:

@@ -96,7 +96,7 @@ def run_ours(work_dir, data_dir, B, T, total, steps, tiny):
     subprocess.run(cmd, check=True)
     with open(os.path.join(out, "log.jsonl")) as f:
         records = [r for r in map(json.loads, f) if "tok_per_s" in r]
-    return median(timed([r["tok_per_s"] for r in records])), max(max(r["peak_mem_gib"]) for r in records)
+    return median(timed([r["tok_per_s"] for r in records])), max(r["peak_mem_gib"] for r in records)
 
 
 def run_peer(script, work_dir, cache):
@@ -137,10 +137,10 @@ def main():
 
     import torch
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    peak = tg.peak_flops(device, args.peak_flops)
+    peak = args.peak_flops or (tg.PEAK_BF16_FLOPS.get(torch.cuda.get_device_name()) if device == "cuda" else None)
     with torch.device("meta"):
         model = tg.GPT(tg.GPTConfig(block_size=T, **({"n_layer": 2, "n_head": 2, "n_embd": 64} if args.dry_run else {})))
-    flops_per_token = model.flops_per_token(T)
+    flops_per_token = tg.flops_per_token(model, T)
     rows = []
 
     def measured(label, B, tok_s, memory):  # each run's figures as soon as it ends: a call cut short keeps them

@@ -34,7 +34,7 @@ def main():
     p.add_argument("--batch_size", type=int, default=16, help="examples per forward")
     p.add_argument("--device", default="auto", help="auto, cuda, mps or cpu")
     args = p.parse_args()
-    _, _, _, device = tg.init_distributed(args.device)
+    device = tg.init_distributed(args.device)
     device_type = device.split(":")[0]
     model = tg.model_from_checkpoint(tg.load_checkpoint(args.ckpt)[0]).to(device).eval()
     enc = tg.get_tokenizer()

@@ -27,12 +27,12 @@ def main():
     p.add_argument("--dtype", default="float32", help="matmul dtype under autocast, as hellaswag.py's --dtype")
     p.add_argument("--cast_weights", action="store_true", help="cast the weights to --dtype, as hellaswag.py's flag")
     args = p.parse_args()
-    _, _, _, device = tg.init_distributed(args.device)
+    device = tg.init_distributed(args.device)
     device_type = device.split(":")[0]
     torch.manual_seed(0)
     model = tg.model_from_checkpoint(tg.load_checkpoint(args.ckpt)[0]) if args.ckpt else \
         tg.GPT(tg.GPTConfig(**tg.MODEL_SIZES[args.preset]))
-    dtype = tg.autocast_dtype(args.dtype, device_type, model.config.n_embd)
+    dtype = tg.autocast_dtype(args.dtype, device_type)
     model.to(device=device, dtype=dtype if args.cast_weights else torch.float32).eval()  # as hellaswag.py
     ctx = tg.nullcontext() if args.cast_weights else tg.autocast_context(device_type, dtype)
     examples, enc = tg.load_hellaswag(args.data_file, args.limit), tg.get_tokenizer()

@@ -1,6 +1,6 @@
 """
-Generation speed: tokens/s for --new_tokens new tokens after a short prompt, using the generate() that sample.py and
-train_gpt2.py share, with the model loaded as sample.py loads it (float32 weights unless --cast_weights).
+Generation speed: tokens/s for --new_tokens new tokens after a short prompt, using sample.py's generate(), with
+the model loaded as sample.py loads it (float32 weights unless --cast_weights).
 
     python bench/sample_speed.py --preset gpt2               # KV cache vs none (GPT-2 124M, random weights)
     python bench/sample_speed.py --ckpt out/demo
@@ -20,15 +20,16 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import sample  # noqa: E402
 import train_gpt2 as tg  # noqa: E402
 
 
 def decode(model, prompt, new_tokens, use_cache, ctx):
     """(tokens, tokens/s) of greedy generation after a short warm-up."""
-    list(tg.generate(model, prompt, 8, 50257, temperature=0, use_cache=use_cache, autocast_ctx=ctx))
+    list(sample.generate(model, prompt, 8, 50257, temperature=0, use_cache=use_cache, autocast_ctx=ctx))
     start = time.perf_counter()
-    tokens = torch.cat(list(tg.generate(model, prompt, new_tokens, 50257, temperature=0, use_cache=use_cache,
-                                        autocast_ctx=ctx)), dim=1)
+    tokens = torch.cat(list(sample.generate(model, prompt, new_tokens, 50257, temperature=0, use_cache=use_cache,
+                                            autocast_ctx=ctx)), dim=1)
     tokens.tolist()
     return tokens, new_tokens / (time.perf_counter() - start)
 
@@ -73,12 +74,12 @@ def main():
     p.add_argument("--threads_table", action="store_true", help="CPU decode speed at the default threads vs 1, "
                    "as the machine is and with one busy process")
     args = p.parse_args()
-    _, _, _, device = tg.init_distributed(args.device)
+    device = tg.init_distributed(args.device)
     device_type = device.split(":")[0]
     torch.manual_seed(0)
     model = tg.model_from_checkpoint(tg.load_checkpoint(args.ckpt)[0]) if args.ckpt else \
         tg.GPT(tg.GPTConfig(**tg.MODEL_SIZES[args.preset]))
-    dtype = tg.autocast_dtype(args.dtype, device_type, model.config.n_embd)
+    dtype = tg.autocast_dtype(args.dtype, device_type)
     model.to(device=device, dtype=dtype if args.cast_weights else torch.float32).eval()  # as sample.py
     ctx = tg.nullcontext() if args.cast_weights else tg.autocast_context(device_type, dtype)
     prompt = torch.tensor([tg.get_tokenizer().encode("Hello, I'm a language model,")], device=device)

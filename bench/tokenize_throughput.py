@@ -29,7 +29,7 @@ def main():
         with tempfile.TemporaryDirectory() as out:
             start = time.perf_counter()
             proc = subprocess.run([sys.executable, "prepare_fineweb.py", *source, "--out_dir", out, "--workers",
-                                   str(workers), "--shard_size", "1000000"], cwd=REPO, capture_output=True,
+                                   str(workers), "--shard_size", "100000"], cwd=REPO, capture_output=True,
                                   text=True, check=True)
             seconds = time.perf_counter() - start  # the whole command, process start-up included
         docs, tokens = (int(x.replace(",", "")) for x in re.search(r"([\d,]+) documents, ([\d,]+) tokens", proc.stdout).groups())

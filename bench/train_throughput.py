@@ -67,22 +67,22 @@ def bench_variant(args, mode, dtype_name, device):
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     for _ in range(args.warmup):
-        loss, _, _ = tg.train_step(train_model, optimizers, scaler, batch, args.grad_accum, B * T * args.grad_accum,
-                                   1.0, autocast_ctx)
+        loss, _ = tg.train_step(train_model, optimizers, scaler, batch, args.grad_accum, B * T * args.grad_accum,
+                                1.0, autocast_ctx)
     loss.item()
     step_seconds = []  # the median step: other load on the machine only ever slows some steps down
     for _ in range(args.steps):
         start = time.perf_counter()
-        loss, _, _ = tg.train_step(train_model, optimizers, scaler, batch, args.grad_accum, B * T * args.grad_accum,
-                                   1.0, autocast_ctx)
+        loss, _ = tg.train_step(train_model, optimizers, scaler, batch, args.grad_accum, B * T * args.grad_accum,
+                                1.0, autocast_ctx)
         loss.item()
         sync(device)
         step_seconds.append(time.perf_counter() - start)
     seconds = sorted(step_seconds)[len(step_seconds) // 2]
     tokens = B * T * args.grad_accum
-    flops_per_token = model.flops_per_token(T)
+    flops_per_token = tg.flops_per_token(model, T)
     return dict(tok_s=tokens / seconds, flops_per_token=flops_per_token, flops=flops_per_token * tokens / seconds,
-                mem=tg.peak_memory_gib(device), T=T, params=model.num_params())
+                mem=tg.peak_memory_gib(device), T=T, params=tg.num_params(model))
 
 
 def main():
@@ -101,11 +101,11 @@ def main():
     p.add_argument("--device", default="auto", help="auto, cuda, mps or cpu")
     p.add_argument("--peak_flops", type=float, help="bf16 peak FLOP/s to divide by (GPUs known to train_gpt2.py are detected)")
     args = p.parse_args()
-    _, _, _, device = tg.init_distributed(args.device)
+    device = tg.init_distributed(args.device)
     if device.startswith("cuda"):
         torch.set_float32_matmul_precision("high")
         print(f"device: {torch.cuda.get_device_name(device)}")
-        peak = {"bfloat16": tg.peak_flops(device, args.peak_flops)}
+        peak = {"bfloat16": args.peak_flops or tg.PEAK_BF16_FLOPS.get(torch.cuda.get_device_name(device))}
     else:
         peak = {dt: matmul_peak(getattr(torch, dt), device) for dt in ("bfloat16", "float32")}
         print(f"device: {device}, {torch.get_num_threads()} threads | measured matmul peak: "

@@ -123,7 +123,6 @@ CASES = [
          expect="no readable checkpoint at"),
     case("sample-out_dir-none-readable", "sample.py", "--ckpt", "{tmp}/bad_ckpts", expect="no readable checkpoint at"),
     # ---- found by review
-    case("sample-threads-neg", "sample.py", "--ckpt", "x", "--threads", -1, expect="argument --threads"),
     case("mid-epochs-0", "mid_train.py", *MID, "--data", "chat:{tmp}/ok.jsonl:0", expect="EPOCHS must be 1"),
     case("mid-nothing-to-learn", "mid_train.py", *MID, "--data", "chat:{tmp}/user_only.jsonl", "--val_fraction", 0.5,
          "--micro_batch_size", 1, expect="no token to learn"),

@@ -62,5 +62,5 @@ def test_help_shows_defaults(capsys, monkeypatch):
 def test_inference_defaults_are_float32_weights():
     import hellaswag
     import sample
-    for args in (hellaswag.get_args(["--ckpt", "x"]), sample.get_args(["--ckpt", "x"])):
-        assert args.dtype == "float32" and not args.cast_weights
+    assert hellaswag.get_args(["--ckpt", "x"]).dtype == sample.get_args(["--ckpt", "x"]).dtype == "float32"
+    assert not hellaswag.get_args(["--ckpt", "x"]).cast_weights
