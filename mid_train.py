@@ -103,7 +103,6 @@ def get_args(argv=None):
     p.add_argument("--log_every", type=positive_int, default=1, help="log every N-th step (a line and a record)")
     p.add_argument("--peak_flops", type=positive_float, help="device peak FLOP/s for MFU (known GPUs are detected)")
     p.add_argument("--wandb_project", help="log to this wandb project (WANDB_MODE=offline works)")
-    p.add_argument("--wandb_run_name", help="wandb run name")
     p.add_argument("--demo", action="store_true",
                    help="preset: out/demo (train_gpt2.py --demo) midtrained on questions about the Python stdlib's "
                         "functions (data/demo/chat.jsonl, from prepare_fineweb.py --demo) into out/mid, offline")
@@ -1017,7 +1016,7 @@ def open_run_log(args, start_step, wandb_run_id):
         if args.wandb_project:
             import wandb
             try:
-                wandb_run = wandb.init(project=args.wandb_project, name=args.wandb_run_name, id=wandb_run_id,
+                wandb_run = wandb.init(project=args.wandb_project, id=wandb_run_id,
                                        resume="allow", config=vars(args), dir=args.out_dir)
             except wandb.errors.Error as e:  # not logged in (and no WANDB_MODE), a bad key, no network
                 die(f"--wandb_project: wandb cannot start ({str(e).splitlines()[0]}); run `wandb login`, or set "
@@ -1101,8 +1100,8 @@ class Muon(torch.optim.Optimizer):
     """MomentUm Orthogonalized by Newton-schulz: SGD with Nesterov momentum, each 2-D weight's update replaced by its
     nearest orthogonal matrix. For the hidden matrices only; under DDP every rank computes the same update."""
 
-    def __init__(self, params, lr=0.02, momentum=0.95, weight_decay=0.0, ns_steps=5):
-        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps))
+    def __init__(self, params, lr=0.02, momentum=0.95, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -1119,7 +1118,7 @@ class Muon(torch.optim.Optimizer):
                 # the fused (3C x C) attention weights are three C x C maps, Q, K and V: each is orthogonalized on
                 # its own (as modded-nanogpt does), not the stack as one tall matrix
                 blocks = update.view(3 if p.size(0) == 3 * p.size(1) else 1, -1, p.size(1))
-                blocks = zeropower_via_newtonschulz5(blocks, group["ns_steps"])
+                blocks = zeropower_via_newtonschulz5(blocks)
                 # a tall block is scaled up to the per-entry size of a square one: sqrt(rows / cols), as modded-nanogpt
                 scale = max(1, blocks.size(-2) / blocks.size(-1)) ** 0.5
                 p.mul_(1 - group["lr"] * group["weight_decay"])  # decoupled weight decay, as AdamW

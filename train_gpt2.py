@@ -101,7 +101,6 @@ def get_args(argv=None):
     p.add_argument("--log_every", type=positive_int, default=1, help="log every N-th step (a line and a record)")
     p.add_argument("--peak_flops", type=positive_float, help="device peak FLOP/s for MFU (known GPUs are detected)")
     p.add_argument("--wandb_project", help="log to this wandb project (WANDB_MODE=offline works)")
-    p.add_argument("--wandb_run_name", help="wandb run name")
     p.add_argument("--demo", action="store_true", help="preset: a small GPT on data/demo (prepare_fineweb.py --demo)")
     args = p.parse_args(argv)
     if args.demo:  # the preset changes the defaults; flags given explicitly still win
@@ -307,20 +306,16 @@ def hub_reachable():
 
 def load_shard(path):
     """A shard's tokens, memory-mapped: llm.c .bin (a 256 x int32 header: magic 20240520, version 1, token count;
-    then uint16 tokens) or a 1-D uint16 .npy as build-nanogpt writes them."""
+    then uint16 tokens) or a 1-D .npy of token ids, as build-nanogpt writes them (uint16)."""
     try:
         if path.endswith(".npy"):
-            tokens = np.load(path, mmap_mode="r")
-        else:
-            header = np.fromfile(path, dtype=np.int32, count=3).tolist()
-            if len(header) < 3 or header[:2] != [20240520, 1] or header[2] < 0:
-                raise ValueError(f"its header (magic, version, token count) is {header}")
-            tokens = np.memmap(path, dtype=np.uint16, mode="r", offset=256 * 4, shape=(header[2],))
-        if tokens.dtype != np.uint16 or tokens.ndim != 1:
-            raise ValueError(f"it holds {tokens.dtype} of shape {tokens.shape}, not 1-D uint16 tokens")
+            return np.load(path, mmap_mode="r")
+        header = np.fromfile(path, dtype=np.int32, count=3).tolist()
+        if len(header) < 3 or header[:2] != [20240520, 1] or header[2] < 0:
+            raise ValueError(f"its header (magic, version, token count) is {header}")
+        return np.memmap(path, dtype=np.uint16, mode="r", offset=256 * 4, shape=(header[2],))
     except ValueError as e:  # numpy's too: a file shorter than its header says, a damaged .npy
         die(f"{path} is not a whole token shard, truncated or damaged ({e}); re-create it with prepare_fineweb.py")
-    return tokens
 
 
 def find_shards(data_dir, split):
@@ -338,7 +333,7 @@ class ShardLoader:
     def __init__(self, files, B, T, rank, world_size, device="cpu", span=1, seed=None):
         self.shards = [load_shard(f) for f in files]
         self.B, self.T, self.rank, self.world_size, self.device, self.span = B, T, rank, world_size, device, span
-        self.order, self.seed = ("sequential", 0) if seed is None else ("shuffled", seed % 2**64)  # numpy's: >= 0
+        self.order, self.seed = ("sequential", 0) if seed is None else ("shuffled", seed)
         self.window_tokens = span * B * T * world_size
         self.shard_windows = [(len(tokens) - 1) // self.window_tokens for tokens in self.shards]
         self.num_windows = sum(self.shard_windows)
@@ -861,7 +856,7 @@ def open_run_log(args, start_step, wandb_run_id):
         if args.wandb_project:
             import wandb
             try:
-                wandb_run = wandb.init(project=args.wandb_project, name=args.wandb_run_name, id=wandb_run_id,
+                wandb_run = wandb.init(project=args.wandb_project, id=wandb_run_id,
                                        resume="allow", config=vars(args), dir=args.out_dir)
             except wandb.errors.Error as e:  # not logged in (and no WANDB_MODE), a bad key, no network
                 die(f"--wandb_project: wandb cannot start ({str(e).splitlines()[0]}); run `wandb login`, or set "
@@ -945,8 +940,8 @@ class Muon(torch.optim.Optimizer):
     """MomentUm Orthogonalized by Newton-schulz: SGD with Nesterov momentum, each 2-D weight's update replaced by its
     nearest orthogonal matrix. For the hidden matrices only; under DDP every rank computes the same update."""
 
-    def __init__(self, params, lr=0.02, momentum=0.95, weight_decay=0.0, ns_steps=5):
-        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps))
+    def __init__(self, params, lr=0.02, momentum=0.95, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -963,7 +958,7 @@ class Muon(torch.optim.Optimizer):
                 # the fused (3C x C) attention weights are three C x C maps, Q, K and V: each is orthogonalized on
                 # its own (as modded-nanogpt does), not the stack as one tall matrix
                 blocks = update.view(3 if p.size(0) == 3 * p.size(1) else 1, -1, p.size(1))
-                blocks = zeropower_via_newtonschulz5(blocks, group["ns_steps"])
+                blocks = zeropower_via_newtonschulz5(blocks)
                 # a tall block is scaled up to the per-entry size of a square one: sqrt(rows / cols), as modded-nanogpt
                 scale = max(1, blocks.size(-2) / blocks.size(-1)) ** 0.5
                 p.mul_(1 - group["lr"] * group["weight_decay"])  # decoupled weight decay, as AdamW

@@ -1,6 +1,6 @@
 """
 Generation speed: tokens/s for --new_tokens new tokens after a short prompt, using sample.py's generate(), with
-the model loaded as sample.py loads it (float32 weights unless --cast_weights).
+the model loaded as sample.py loads it (float32 weights; --cast_weights casts them to --dtype instead).
 
     python bench/sample_speed.py --preset gpt2               # KV cache vs none (GPT-2 124M, random weights)
     python bench/sample_speed.py --ckpt out/demo
@@ -70,7 +70,7 @@ def main():
     p.add_argument("--new_tokens", type=int, default=256, help="tokens to generate")
     p.add_argument("--device", default="auto", help="auto, cuda, mps or cpu")
     p.add_argument("--dtype", default="float32", help="matmul dtype under autocast, as sample.py's --dtype")
-    p.add_argument("--cast_weights", action="store_true", help="cast the weights to --dtype, as sample.py's flag")
+    p.add_argument("--cast_weights", action="store_true", help="cast the weights to --dtype (sample.py keeps float32)")
     p.add_argument("--threads_table", action="store_true", help="CPU decode speed at the default threads vs 1, "
                    "as the machine is and with one busy process")
     args = p.parse_args()

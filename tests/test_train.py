@@ -203,7 +203,7 @@ def read_wandb_history(run_dir):
 def test_wandb_offline_run_holds_metrics_and_continues_on_resume(shards, tmp_path):
     out = tmp_path / "run"
     flags = [*TINY, "--data_dir", shards, "--out_dir", out, "--eval_every", 4, "--save_every", 4,
-             "--wandb_project", "test", "--wandb_run_name", "tiny"]
+             "--wandb_project", "test"]
     run("train_gpt2.py", *flags, "--max_steps", 4, check=True)
     run_dirs = glob.glob(str(out / "wandb" / "offline-run-*"))
     assert len(run_dirs) == 1
