@@ -954,11 +954,11 @@ def restore_training_state(checkpoint, raw_model, optimizers, scaler):
     """Optimizer and scaler state; returns (step, val_loss, wandb_run_id) to go on from. The optimizers keep
     this run's hyperparameters (lr...): the old run's would silently override a new --lr."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-    hyper = [[{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups] for opt in optimizers]
+    # the saved groups (all optimizers', in order) keep their parameters and take this run's hyperparameters
+    ours = [group for opt in optimizers for group in opt.param_groups]
+    checkpoint["optimizer"]["param_groups"] = [{**group, "params": saved["params"]} for group, saved in
+                                               zip(ours, checkpoint["optimizer"]["param_groups"])]
     set_optimizer_state_dict(raw_model, optimizers, checkpoint["optimizer"], options=StateDictOptions(full_state_dict=True))
-    for opt, groups in zip(optimizers, hyper):
-        for group, values in zip(opt.param_groups, groups):
-            group.update(values)
     scaler.load_state_dict(checkpoint["scaler"])
     return checkpoint["step"], checkpoint["val_loss"], checkpoint["wandb_run_id"]
 # ---- end shared: loop ----
@@ -993,9 +993,12 @@ def exit_on_out_of_memory(main):
 
 # ---- shared: logging ----
 PEAK_BF16_FLOPS = {  # dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, by the exact name
-    # torch.cuda.get_device_name reports (a substring match would give an H100 PCIe the SXM peak); else --peak_flops
-    "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H200": 989e12,
-    "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A100-SXM4-40GB": 312e12, "NVIDIA A100 80GB PCIe": 312e12,
+    # torch.cuda.get_device_name reports: a substring match would give an H100 PCIe the SXM peak, an L40 the L4's
+    "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
+    "NVIDIA H200": 989e12, "NVIDIA H200 NVL": 835e12, "NVIDIA GH200 480GB": 989e12,
+    "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A100-SXM4-40GB": 312e12, "NVIDIA A100-PCIE-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
+    "NVIDIA L40S": 362e12, "NVIDIA L40": 181e12, "NVIDIA L4": 121e12, "NVIDIA A10G": 70e12, "NVIDIA A10": 125e12,
     "NVIDIA GeForce RTX 4090": 165e12, "NVIDIA GeForce RTX 3090": 71e12,
 }
 
