@@ -39,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 DEMO_PRESET = dict(  # a small GPT that trains on data/demo (stdlib English, 0.4M tokens) in minutes on a 2-core CPU
     data_dir="data/demo", out_dir="out/demo", n_layer=4, n_head=4, n_embd=256, block_size=256, seq_len=256,
-    micro_batch_size=8, total_batch_size=8 * 256, max_steps=200, warmup_steps=20, lr=3e-3,
+    micro_batch_size=8, total_batch_size=2048, max_steps=200, warmup_steps=20, lr=3e-3,
     eval_every=50, val_tokens=16384, save_every=200, sample_len=64, prompt="The",
 )
 
@@ -629,10 +629,9 @@ def agree(device, *values):
 def stop_diverged(step, what, lr, out_dir, saved):
     """A non-finite loss: stop at once on every rank, drop the checkpoint of these weights (saved), say where to go on."""
     if master_process:
-        path = os.path.join(out_dir, f"ckpt_{step:07d}.pt")
+        path, older = checkpoints_before(out_dir, step)
         if saved:
             os.remove(path)
-        older = [f for f in sorted(glob.glob(os.path.join(out_dir, CHECKPOINT_GLOB))) if f < path]
         where = f"resume from {older[-1]} with --resume and a lower --lr" if older else "start again with a lower --lr"
         if os.path.isfile(path):  # the run resumed from these weights: --resume would take them again
             where = f"move {path} aside (its weights diverge), then {where}"
@@ -749,8 +748,7 @@ def save_training_checkpoint(raw_model, optimizers, scaler, args, step, **fields
         # no RNG state: a step draws no random numbers (no dropout; the samples have their own generator)
         checkpoint = {"model": model_state, "optimizer": optimizer_state, "scaler": scaler.state_dict(), "step": step,
                       "config": asdict(raw_model.config), "args": vars(args), **fields}
-        path = os.path.join(args.out_dir, f"ckpt_{step:07d}.pt")
-        older = sorted(glob.glob(os.path.join(args.out_dir, CHECKPOINT_GLOB)))
+        path, older = checkpoints_before(args.out_dir, step)
         write_file(path, lambda f: torch.save(checkpoint, f),
                    f"free space in --out_dir {args.out_dir} (or move it), then go on with --resume from "
                    f"{os.path.basename(older[-1])}: the older checkpoints are as they were" if older else
@@ -764,10 +762,15 @@ def prune_checkpoints(out_dir, step, keep):
     """Keep the newest `keep` up to step's, counting back from it: a newer file is a leftover that --resume passed
     over (unreadable, or past where this run went on from), and pruning by name would delete step's instead."""
     if master_process:
-        path = os.path.join(out_dir, f"ckpt_{step:07d}.pt")
-        older = [f for f in sorted(glob.glob(os.path.join(out_dir, CHECKPOINT_GLOB))) if f < path]
+        older = checkpoints_before(out_dir, step)[1]
         for old in older[:max(0, len(older) - (keep - 1))]:
             os.remove(old)
+
+
+def checkpoints_before(out_dir, step):
+    """The path of step's checkpoint, and the checkpoints in out_dir before it, oldest first."""
+    path = os.path.join(out_dir, f"ckpt_{step:07d}.pt")
+    return path, [f for f in sorted(glob.glob(os.path.join(out_dir, CHECKPOINT_GLOB))) if f < path]
 
 
 def resume_args(parser, argv, fixed):
