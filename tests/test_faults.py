@@ -35,8 +35,9 @@ def one_error_line(proc):
 
 
 def test_out_of_memory_is_one_line_naming_the_micro_batch(shards, tmp_path):
-    # the activations of 32 x 1024 tokens, 1024 wide, are several GB in float32: more than the 4 GB of address space
-    args = [*TINY, "--n_embd", 1024, "--block_size", 1024, "--seq_len", 1024, "--micro_batch_size", 32,
+    # 1.5 GB of weights, and activations of 32 x 1024 tokens 3072 wide in float32: more than the 4 GB of address
+    # space within the first layer, so that little is computed before memory runs out
+    args = [*TINY, "--n_embd", 3072, "--block_size", 1024, "--seq_len", 1024, "--micro_batch_size", 32,
             "--total_batch_size", 32768,
             "--data_dir", shards, "--out_dir", tmp_path / "run", "--max_steps", 2, "--val_tokens", 32768]
     line = one_error_line(run_limited("train_gpt2.py", *args, limit=4 * 2**30))
