@@ -140,7 +140,7 @@ def test_midtraining_lowers_val_loss_and_chats(base_ckpt, tmp_path):
     write_chat(tmp_path / "chat.jsonl", conversations(240))
     write_chat(tmp_path / "bare.jsonl", conversations(60, seed=1), wrapped=False)
     out = tmp_path / "mid"
-    proc = run("mid_train.py", *MID, "--init_ckpt", base_ckpt, "--data", f"chat:{tmp_path / 'chat.jsonl'}",
+    run("mid_train.py", *MID, "--init_ckpt", base_ckpt, "--data", f"chat:{tmp_path / 'chat.jsonl'}",
                f"chat:{tmp_path / 'bare.jsonl'}:2", "--out_dir", out, "--max_steps", 100, "--eval_every", 50,
                "--micro_batch_size", 8, "--lr", 5e-3, check=True)  # at 1e-2 a float rounding flips the greedy reply
     val = val_losses(out)
