@@ -32,7 +32,7 @@ def get_args(argv=None):
     model = p.add_mutually_exclusive_group(required=True)  # one of the two
     model.add_argument("--ckpt", help="checkpoint file, or an out_dir (its newest checkpoint)")
     model.add_argument("--hf", choices=list(MODEL_SIZES), help="OpenAI's GPT-2 weights through transformers instead")
-    p.add_argument("--prompt", help="prompt text (default: stdin if it is piped, e.g. < prompt.txt, else <|endoftext|>)")
+    p.add_argument("--prompt", help="prompt text; without it, stdin where it is piped (e.g. < prompt.txt), else <|endoftext|>")
     p.add_argument("--num_samples", type=positive_int, default=1, help="samples to generate")
     p.add_argument("--max_new_tokens", type=positive_int, default=256, help="new tokens per sample at most")
     p.add_argument("--temperature", type=nonneg_float, default=1.0, help="softmax temperature; 0 is greedy")
