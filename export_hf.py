@@ -199,8 +199,7 @@ def get_tokenizer(special_tokens=None):
         encoder_json_hash="196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
     )
     special = {"<|endoftext|>": EOT_TOKEN, **(special_tokens or {})}
-    name = "gpt2" if special_tokens is None else "gpt2-chat"
-    return tiktoken.Encoding(name, pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens=special)
+    return tiktoken.Encoding("gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens=special)
 # ---- end shared: tokenizer ----
 
 

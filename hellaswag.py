@@ -166,7 +166,7 @@ def main(argv=None):
         checkpoint, name = load_checkpoint(args.ckpt)
         model = model_from_checkpoint(checkpoint)
         del checkpoint
-    dtype = autocast_dtype(args.dtype, device_type)
+    dtype = autocast_dtype(args.dtype, device)
     model.to(device=device, dtype=dtype if args.cast_weights else torch.float32).eval()
     autocast_ctx = nullcontext() if args.cast_weights else autocast_context(device_type, dtype)
     start = time.perf_counter()
@@ -220,9 +220,8 @@ def ranged(kind, low, high=float("inf"), low_open=False, high_open=False):
         try:
             value = kind(text)
         except ValueError:
-            value = float("nan")
-        if not (low < value if low_open else low <= value) or not (value < high if high_open else value <= high) \
-                or value == float("inf"):  # nan fails every comparison
+            value = float("nan")  # fails every comparison
+        if not (low < value if low_open else low <= value) or not (value < high if high_open else value <= high):
             raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'} {bounds}")
         return value
     return parse
@@ -283,8 +282,7 @@ def get_tokenizer(special_tokens=None):
         encoder_json_hash="196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
     )
     special = {"<|endoftext|>": EOT_TOKEN, **(special_tokens or {})}
-    name = "gpt2" if special_tokens is None else "gpt2-chat"
-    return tiktoken.Encoding(name, pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens=special)
+    return tiktoken.Encoding("gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens=special)
 # ---- end shared: tokenizer ----
 
 
@@ -427,16 +425,17 @@ def load_hf_state_dict(model, hf_state):
 
 # ---- shared: hub ----
 def hub_reachable():
-    """Whether the Hugging Face hub (HF_ENDPOINT where a mirror is set) answers a quick probe: offline, the libraries
-    retry it for a while, a line on stderr each time, before they fail."""
-    import socket
-    from urllib.parse import urlparse
-    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    """Whether the Hugging Face hub (HF_ENDPOINT where a mirror is set) answers a quick request, through the proxy
+    where one is set: offline, the libraries retry it for a while, a line on stderr each time, before they fail."""
+    import urllib.error
+    import urllib.request
     try:
-        socket.create_connection((url.hostname, url.port or (80 if url.scheme == "http" else 443)), timeout=3).close()
-        return True
-    except (OSError, ValueError):
+        urllib.request.urlopen(os.environ.get("HF_ENDPOINT", "https://huggingface.co"), timeout=3).close()
+    except urllib.error.HTTPError:  # an error status is an answer
+        pass
+    except (OSError, ValueError):  # no name, no route, a timeout; or an HF_ENDPOINT that is not a URL
         return False
+    return True
 # ---- end shared: hub ----
 
 
@@ -460,12 +459,12 @@ def init_distributed(device="auto"):
     return device
 
 
-def autocast_dtype(dtype_arg, device_type):
+def autocast_dtype(dtype_arg, device):
     """The dtype matmuls run in under autocast. auto: bfloat16 on CUDA (float16 where it has none), else float32
     (--dtype bfloat16 is about 3x faster on CPUs with bf16 units, AVX512-BF16 or AMX, and slower on others)."""
     if dtype_arg != "auto":
         return getattr(torch, dtype_arg)
-    if device_type == "cuda":
+    if device.startswith("cuda"):
         return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16  # V100, T4
     return torch.float32
 

@@ -295,16 +295,17 @@ def load_hf_state_dict(model, hf_state):
 
 # ---- shared: hub ----
 def hub_reachable():
-    """Whether the Hugging Face hub (HF_ENDPOINT where a mirror is set) answers a quick probe: offline, the libraries
-    retry it for a while, a line on stderr each time, before they fail."""
-    import socket
-    from urllib.parse import urlparse
-    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    """Whether the Hugging Face hub (HF_ENDPOINT where a mirror is set) answers a quick request, through the proxy
+    where one is set: offline, the libraries retry it for a while, a line on stderr each time, before they fail."""
+    import urllib.error
+    import urllib.request
     try:
-        socket.create_connection((url.hostname, url.port or (80 if url.scheme == "http" else 443)), timeout=3).close()
-        return True
-    except (OSError, ValueError):
+        urllib.request.urlopen(os.environ.get("HF_ENDPOINT", "https://huggingface.co"), timeout=3).close()
+    except urllib.error.HTTPError:  # an error status is an answer
+        pass
+    except (OSError, ValueError):  # no name, no route, a timeout; or an HF_ENDPOINT that is not a URL
         return False
+    return True
 # ---- end shared: hub ----
 
 
@@ -597,7 +598,6 @@ def train_step(model, optimizers, scaler, next_batch, grad_accum_steps, step_tok
 def main(argv=None):
     args = get_args(argv)
     device = init_distributed(args.device)
-    device_type = device.split(":")[0]
     torch.manual_seed(args.seed)
 
     # ---- check the inputs before any work
@@ -654,7 +654,7 @@ def main(argv=None):
     # raw_model is what is saved, sampled and scored; model is what trains and evaluates (DDP-wrapped, compiled).
     # Neither has dropout, so train() and eval() would change nothing (and cost torch.compile a recompile).
     raw_model.to(device)
-    dtype = autocast_dtype(args.dtype, device_type)
+    dtype = autocast_dtype(args.dtype, device)
     model, optimizers, scaler, autocast_ctx = setup_training(raw_model, args, dtype)
 
     # ---- where a resumed run was, and the log
@@ -1177,12 +1177,12 @@ def init_distributed(device="auto"):
     return device
 
 
-def autocast_dtype(dtype_arg, device_type):
+def autocast_dtype(dtype_arg, device):
     """The dtype matmuls run in under autocast. auto: bfloat16 on CUDA (float16 where it has none), else float32
     (--dtype bfloat16 is about 3x faster on CPUs with bf16 units, AVX512-BF16 or AMX, and slower on others)."""
     if dtype_arg != "auto":
         return getattr(torch, dtype_arg)
-    if device_type == "cuda":
+    if device.startswith("cuda"):
         return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16  # V100, T4
     return torch.float32
 
@@ -1215,8 +1215,7 @@ def get_tokenizer(special_tokens=None):
         encoder_json_hash="196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
     )
     special = {"<|endoftext|>": EOT_TOKEN, **(special_tokens or {})}
-    name = "gpt2" if special_tokens is None else "gpt2-chat"
-    return tiktoken.Encoding(name, pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens=special)
+    return tiktoken.Encoding("gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens=special)
 # ---- end shared: tokenizer ----
 
 
@@ -1233,7 +1232,6 @@ def progress(iterable, desc):
 def prepare_out_dir(path, flag):
     """Create an output folder and take its .lock, refusing a folder that a live run writes into, before any work
     starts. Then remove the *.tmp of a killed save: finished files are renamed from them, never the only copy."""
-    import errno
     import fcntl
     import socket
     try:
@@ -1245,13 +1243,13 @@ def prepare_out_dir(path, flag):
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
-    except OSError as e:
-        if e.errno in (errno.EACCES, errno.EAGAIN):  # held: before the .tmp files go, a live run's save
-            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a run that is starting"
-            die(f"{flag} {path} is in use by a running run ({holder}); wait for it to end or stop it, or give "
-                f"another {flag}")
+    except (BlockingIOError, PermissionError):  # EAGAIN, EACCES: held; before the .tmp files go, a live run's save
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a run that is starting"
+        die(f"{flag} {path} is in use by a running run ({holder}); wait for it to end or stop it, or give "
+            f"another {flag}")
+    except OSError as e:  # ENOLCK & co: some network file systems
         print(f"{flag} {path}: this file system cannot lock files ({e.strerror}); a second run into it is not "
-              f"refused", file=sys.stderr)  # ENOLCK & co: some network file systems
+              f"refused", file=sys.stderr)
     stale = sorted(glob.glob(os.path.join(path, "*.tmp")))
     for f in stale:
         os.remove(f)
@@ -1314,9 +1312,8 @@ def ranged(kind, low, high=float("inf"), low_open=False, high_open=False):
         try:
             value = kind(text)
         except ValueError:
-            value = float("nan")
-        if not (low < value if low_open else low <= value) or not (value < high if high_open else value <= high) \
-                or value == float("inf"):  # nan fails every comparison
+            value = float("nan")  # fails every comparison
+        if not (low < value if low_open else low <= value) or not (value < high if high_open else value <= high):
             raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'} {bounds}")
         return value
     return parse

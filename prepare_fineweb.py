@@ -27,7 +27,6 @@ import zlib
 
 import numpy as np
 
-HUB_DATASETS = {"fineweb-edu": "HuggingFaceFW/fineweb-edu", "fineweb": "HuggingFaceFW/fineweb"}
 DOCS_PER_TASK = 256  # documents a worker tokenizes at a time
 RESUME_FIX = "free space (or give another --out_dir), then run the same command again: it goes on after the last whole shard"
 
@@ -36,19 +35,17 @@ def get_args(argv=None):
     p = argparse.ArgumentParser(description="Tokenize FineWeb(-Edu) or local text into llm.c .bin token shards.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.error = die
-    p.add_argument("--dataset", default="fineweb-edu", choices=HUB_DATASETS, help="hub dataset to stream")
-    p.add_argument("--sample", default="10BT", choices=["10BT", "100BT", "350BT"], help="which sample of it")
-    p.add_argument("--hf_dataset", help="any `datasets` name or local folder to stream instead (split train)")
+    p.add_argument("--dataset", default="HuggingFaceFW/fineweb-edu",
+                   help="`datasets` name (HuggingFaceFW/fineweb too) or local folder to stream, split train")
+    p.add_argument("--config", default="sample-10BT", help="its config: sample-10BT, sample-100BT, ...; '' for none")
     p.add_argument("--input", nargs="+", default=[],
-                   help="local .txt (a document per file), .jsonl or .parquet paths or globs")
+                   help="instead, local .txt (a document per file), .jsonl or .parquet paths or globs")
     p.add_argument("--text_field", default="text", help="field holding the text in .jsonl/.parquet/datasets rows")
-    p.add_argument("--out_dir", help="where shards go (default data/<dataset>-<sample>)")
-    p.add_argument("--prefix", help="shard file name prefix (default: the out_dir's name)")
+    p.add_argument("--out_dir", help="where shards go, named after it (default: data/<dataset's name>-<config>, "
+                                     "data/fineweb-edu-10BT)")
     p.add_argument("--shard_size", type=ranged(int, 1, 2**31 - 1), default=100_000_000,
                    help="tokens per shard (at most 2^31 - 1, the header's int32 count)")
-    p.add_argument("--max_shards", type=nonneg_int, default=0, help="stop after this many shards in all (0: whole source)")
-    p.add_argument("--workers", type=ranged(int, 1, 1024), default=os.cpu_count(),
-                   help="tokenizer processes, one a core")
+    p.add_argument("--workers", type=positive_int, default=os.cpu_count(), help="tokenizer processes, one a core")
     p.add_argument("--demo", action="store_true",
                    help="preset, offline: the Python standard library's docstrings and reference topics into data/demo "
                         "in shards of 65,536 tokens, for train_gpt2.py --demo, and questions about its functions into "
@@ -57,17 +54,14 @@ def get_args(argv=None):
     if args.demo:  # the preset changes the defaults; flags given explicitly still win
         p.set_defaults(out_dir="data/demo", shard_size=65_536)  # of 373K tokens
         args = p.parse_args(argv)
-    args.out_dir = args.out_dir or f"data/{args.dataset}-{args.sample}"
-    args.prefix = args.prefix or os.path.basename(os.path.normpath(args.out_dir))
+    args.out_dir = args.out_dir or f"data/{os.path.basename(args.dataset)}-{args.config.removeprefix('sample-')}"
     args.files = []
     for pattern in args.input:
-        matches = sorted(f for f in glob.glob(pattern, recursive=True) if os.path.isfile(f))
-        if not matches:
-            die(f"--input {pattern} matches no file; check the path or quote the glob")
+        matches = sorted(glob.glob(pattern, recursive=True))
+        if not matches or not all(f.endswith((".txt", ".md", ".py", ".jsonl", ".parquet")) for f in matches):
+            die(f"--input {pattern} matches no file, or a file that is not .txt (.md, .py), .jsonl or .parquet; "
+                f"check the path or quote the glob")
         args.files += matches
-    for f in args.files:
-        if not f.endswith((".txt", ".md", ".py", ".jsonl", ".parquet")):
-            die(f"{f}: unknown file type; --input takes .txt (or .md, .py), .jsonl or .parquet")
     return args
 
 
@@ -75,54 +69,46 @@ def get_args(argv=None):
 # sources: each gives the documents' texts in a fixed order
 
 
-def local_documents(files, text_field, not_utf8):
+def local_documents(files, text_field):
     """Documents of local files: a .txt (.md, .py) file is one; a .jsonl or .parquet file has one per row."""
     for path in files:
+        where = path  # what an error names: the file, or its line
         try:
             if path.endswith(".jsonl"):
                 with open(path, "rb") as f:
                     for line_no, line in enumerate(f, 1):
+                        where = f"{path}:{line_no}"
                         if line.strip():
-                            try:
-                                row = json.loads(line)
-                            except ValueError as e:  # bad JSON, or bytes that are not UTF-8
-                                die(f"{path}:{line_no} is not valid JSON in UTF-8 ({e}); fix or remove that line")
-                            yield row_text(row, text_field, f"{path}:{line_no}")
+                            yield row_text(json.loads(line), text_field, where)
             elif path.endswith(".parquet"):
                 import pyarrow.parquet as pq
                 batches = pq.ParquetFile(path).iter_batches(columns=[text_field])
                 for row_no, row in enumerate(row for batch in batches for row in batch.to_pylist()):
                     yield row_text(row, text_field, f"{path} row {row_no}")
             else:
-                with open(path, "rb") as f:
-                    data = f.read()
-                try:
-                    yield data.decode("utf-8")
-                except UnicodeDecodeError:  # web text often has a few such bytes: U+FFFD, and main reports the file
-                    not_utf8.append(path)
-                    yield data.decode("utf-8", errors="replace")
-        except (OSError, ValueError) as e:
-            die(f"cannot read {path} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); check the file")
+                with open(path, encoding="utf-8", newline="") as f:  # newline="": the file's line ends, as written
+                    yield f.read()
+        except (OSError, ValueError) as e:  # ValueError: bad JSON or parquet, or bytes that are not UTF-8
+            die(f"cannot read {where} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); fix or "
+                f"remove it")
 
 
 def row_text(row, text_field, where):
     """The row's text, checked here in the main process: a bad row is then an error naming it, not a traceback
     from a tokenizer worker."""
-    text = row.get(text_field) if isinstance(row, dict) else None
-    if not isinstance(text, str):
+    if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
         die(f"{where} has no field '{text_field}' holding a string; set --text_field, or fix or remove that row")
-    return text
+    return row[text_field]
 
 
 def hub_documents(args):
     """Stream rows through `datasets`, so shards start at once and the set is never whole on disk."""
     import datasets
-    name = args.hf_dataset or HUB_DATASETS[args.dataset]
-    if not os.path.isdir(name) and not hub_reachable():
-        die(f"cannot reach the Hugging Face hub to stream {name}; offline, give local files with --input")
-    config = None if args.hf_dataset else f"sample-{args.sample}"
-    for i, row in enumerate(datasets.load_dataset(name, name=config, split="train", streaming=True)):
-        yield row_text(row, args.text_field, f"row {i} of {name}")
+    if not os.path.isdir(args.dataset) and not hub_reachable():
+        die(f"cannot reach the Hugging Face hub to stream {args.dataset}; offline, give local files with --input")
+    rows = datasets.load_dataset(args.dataset, name=args.config or None, split="train", streaming=True)
+    for i, row in enumerate(rows):
+        yield row_text(row, args.text_field, f"row {i} of {args.dataset}")
 
 
 # the demo: the English of Python's standard library, and questions about its functions answered by their docstrings
@@ -156,8 +142,7 @@ def stdlib_texts():
         parts = path[:-3].split(os.sep)
         if set(parts[:-1]) & DEMO_SKIP:
             continue
-        with open(os.path.join(root, path), "rb") as f:
-            tree = ast.parse(f.read())
+        tree = ast.parse(open(os.path.join(root, path), "rb").read())
         docs = [ast.get_docstring(node) or "" for node in ast.walk(tree) if isinstance(node, DOCUMENTED)]
         documents.append("\n".join(reflow(doc) for doc in docs if len(doc) > 20))
 
@@ -165,25 +150,19 @@ def stdlib_texts():
         if parts[0] in ("turtledemo", "ensurepip") or not all(p.isidentifier() and p[0] != "_" for p in parts):
             continue  # asked about: the public names, the turtle demos and pip's installer left out
         module = ".".join(parts)
+        public = lambda name, body: [(f"{name}.{node.name}", node) for node in body
+                                     if isinstance(node, DOCUMENTED) and not node.name.startswith("_")]
         named = [(module, tree)]
-        for node in tree.body:
-            if isinstance(node, DOCUMENTED) and not node.name.startswith("_"):
-                named.append((f"{module}.{node.name}", node))
-                if isinstance(node, ast.ClassDef):
-                    named += [(f"{module}.{node.name}.{sub.name}", sub) for sub in node.body
-                              if isinstance(sub, DOCUMENTED) and not sub.name.startswith("_")]
+        for name, node in public(module, tree.body):  # the module's public names, and its classes' public members
+            named += [(name, node)] + (public(name, node.body) if isinstance(node, ast.ClassDef) else [])
         for name, node in named:
-            paragraph = " ".join((ast.get_docstring(node) or "").strip().split("\n\n")[0].split())
+            paragraph = " ".join((ast.get_docstring(node) or "").split("\n\n")[0].split())
             sentence = re.split(r"(?<=[.!?])\s", paragraph, maxsplit=1)[0]
             if 3 <= len(sentence.split()) <= 40:  # a sentence, not a word or a page
                 sentences.setdefault(name, sentence)
 
     random.Random(0).shuffle(documents)
-    try:
-        from pydoc_data.topics import topics
-    except ImportError:  # some Linux distributions package pydoc_data apart
-        topics = {}
-        print("no pydoc_data.topics: the demo corpus is the docstrings alone")
+    from pydoc_data.topics import topics
     return [doc for doc in documents if doc] + [reflow(text) for text in topics.values()], sorted(sentences.items())
 
 
@@ -242,61 +221,45 @@ def tokenized(documents, workers):
 def main(argv=None):
     args = get_args(argv)
     prepare_out_dir(args.out_dir, "--out_dir")
-    not_utf8 = []  # .txt files whose non-UTF-8 bytes were replaced
     if args.demo:
         source = f"python stdlib docstrings and pydoc topics ({sysconfig.get_paths()['stdlib']})"
         documents, names = stdlib_texts()
-        chat = demo_chat(names)
-        write_file(os.path.join(args.out_dir, "chat.jsonl"), lambda f: f.write(chat.encode()), RESUME_FIX)
+        write_file(os.path.join(args.out_dir, "chat.jsonl"), lambda f: f.write(demo_chat(names).encode()), RESUME_FIX)
         print(f"demo: questions about {len(names):,} documented names in chat.jsonl, one name in 10 held out")
     elif args.files:
         source = f"local files: {' '.join(args.input)}"
-        documents = local_documents(args.files, args.text_field, not_utf8)
+        documents = local_documents(args.files, args.text_field)
     else:
-        source = f"hub: {args.hf_dataset or HUB_DATASETS[args.dataset] + ' sample-' + args.sample}"
+        source = f"hub: {args.dataset} {args.config}"
         documents = hub_documents(args)
 
-    # ---- pick up where an earlier run with the same flags stopped: its manifest.json lists the shards it wrote, and
-    # the token stream goes on after the longest prefix of them on disk and whole (a gap is made again, with the shards
-    # after it); a damaged manifest.json counts as no progress
+    # ---- pick up where an earlier run with the same flags stopped: its manifest.json lists the shards it wrote (each
+    # renamed whole into place before it is listed), and the token stream goes on after the last of them; a damaged
+    # manifest.json counts as no progress
     manifest_path = os.path.join(args.out_dir, "manifest.json")
-    shards, complete, start_doc, start_offset = [], False, 0, 0
+    shards, complete = [], False
     if os.path.exists(manifest_path):
         try:
             with open(manifest_path) as f:
                 previous = json.load(f)
             if (previous["source"], previous["shard_size"]) != (source, args.shard_size):
                 die(f"{args.out_dir} holds shards of another source or shard size; use another --out_dir or empty it")
-            for shard in previous["shards"]:
-                path = os.path.join(args.out_dir, shard["file"])
-                if not os.path.isfile(path) or os.path.getsize(path) != 256 * 4 + 2 * shard["tokens"]:
-                    print(f"{shard['file']} is missing or incomplete: making shard {len(shards)} and the "
-                          f"{len(previous['shards']) - len(shards) - 1} listed after it again")
-                    break
-                shards.append(shard)
-                start_doc, start_offset = shard["end_doc"], shard["end_offset"]
-            else:
-                complete = previous["complete"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            print(f"{manifest_path} is unreadable ({type(e).__name__}); its progress is lost, so the shards are made "
-                  f"again from the first one", file=sys.stderr)
-            shards, start_doc, start_offset = [], 0, 0
-    max_shards = args.max_shards or float("inf")
-    if complete or len(shards) >= max_shards:
-        print(f"{len(shards)} shards in {args.out_dir} are done already ({sum(s['tokens'] for s in shards):,} tokens)")
-        return
+            shards, complete = previous["shards"], previous["complete"]
+        except ValueError:
+            print(f"{manifest_path} is unreadable; its progress is lost, so the shards are made again from the first "
+                  f"one", file=sys.stderr)
+    start_doc, start_offset = (shards[-1]["end_doc"], shards[-1]["end_offset"]) if shards else (0, 0)
     if shards:
         print(f"skipping {len(shards)} finished shard(s) in {args.out_dir}")
+    if complete:
+        return
 
     def save_manifest(complete=False):
-        manifest = dict(source=source, tokenizer="gpt2 (tiktoken)", eot_token=EOT_TOKEN, shard_size=args.shard_size,
-                        format="llm.c .bin: 256 int32 header (20240520, 1, num_tokens), then uint16 tokens",
-                        shards=shards, documents=shards[-1]["end_doc"], tokens=sum(s["tokens"] for s in shards),
-                        complete=complete)
+        manifest = dict(source=source, shard_size=args.shard_size, shards=shards, complete=complete)
         write_file(manifest_path, lambda f: f.write(json.dumps(manifest, indent=1).encode()), RESUME_FIX)
 
     def finish_shard(end_doc, end_offset):
-        name = f"{args.prefix}_{'val' if not shards else 'train'}_{len(shards):06d}.bin"
+        name = f"{os.path.basename(os.path.normpath(args.out_dir))}_{'train' if shards else 'val'}_{len(shards):06d}.bin"
         header = np.array([20240520, 1, fill] + [0] * 253, dtype=np.int32)  # llm.c's: magic, version, token count
         write_file(os.path.join(args.out_dir, name), lambda f: f.writelines([header, buffer[:fill]]), RESUME_FIX)
         shards.append(dict(file=name, tokens=fill, end_doc=end_doc, end_offset=end_offset))
@@ -309,26 +272,19 @@ def main(argv=None):
     documents = itertools.islice(documents, start_doc, None)  # the documents an earlier run put in shards left out
     for doc_index, tokens in enumerate(tokenized(documents, args.workers), start_doc):
         offset = start_offset if doc_index == start_doc else 0  # part of it went into the last shard
-        while offset < len(tokens) and len(shards) < max_shards:
+        while offset < len(tokens):
             take = min(len(tokens) - offset, args.shard_size - fill)
             buffer[fill: fill + take] = tokens[offset: offset + take]
             fill, offset = fill + take, offset + take
             if fill == args.shard_size:
                 finish_shard(doc_index, offset)
                 fill = 0
-        if len(shards) == max_shards:
-            break
-    else:  # the whole source: the last shard may be short
-        if fill:
-            finish_shard(doc_index + 1, 0)
-        complete = True
-    if not_utf8:
-        print(f"{len(not_utf8)} text file(s) held bytes that are not UTF-8; they were read with those bytes replaced "
-              f"by U+FFFD (first: {not_utf8[0]})", file=sys.stderr)
+    if fill:  # the last shard may be short
+        finish_shard(doc_index + 1, 0)
     if len(shards) < 2:
         die(f"the source gave {sum(s['tokens'] for s in shards):,} tokens, not enough for a val and a train shard; "
             f"lower --shard_size or give more text")
-    save_manifest(complete)
+    save_manifest(complete=True)
     print(f"done: {shards[-1]['end_doc']:,} documents, {sum(s['tokens'] for s in shards):,} tokens, "
           f"{len(shards)} shards in {args.out_dir} ({time.time() - t0:.1f} s)")
 
@@ -358,9 +314,8 @@ def ranged(kind, low, high=float("inf"), low_open=False, high_open=False):
         try:
             value = kind(text)
         except ValueError:
-            value = float("nan")
-        if not (low < value if low_open else low <= value) or not (value < high if high_open else value <= high) \
-                or value == float("inf"):  # nan fails every comparison
+            value = float("nan")  # fails every comparison
+        if not (low < value if low_open else low <= value) or not (value < high if high_open else value <= high):
             raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'} {bounds}")
         return value
     return parse
@@ -374,7 +329,6 @@ positive_int, nonneg_int = ranged(int, 1), ranged(int, 0)
 def prepare_out_dir(path, flag):
     """Create an output folder and take its .lock, refusing a folder that a live run writes into, before any work
     starts. Then remove the *.tmp of a killed save: finished files are renamed from them, never the only copy."""
-    import errno
     import fcntl
     import socket
     try:
@@ -386,13 +340,13 @@ def prepare_out_dir(path, flag):
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
-    except OSError as e:
-        if e.errno in (errno.EACCES, errno.EAGAIN):  # held: before the .tmp files go, a live run's save
-            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a run that is starting"
-            die(f"{flag} {path} is in use by a running run ({holder}); wait for it to end or stop it, or give "
-                f"another {flag}")
+    except (BlockingIOError, PermissionError):  # EAGAIN, EACCES: held; before the .tmp files go, a live run's save
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a run that is starting"
+        die(f"{flag} {path} is in use by a running run ({holder}); wait for it to end or stop it, or give "
+            f"another {flag}")
+    except OSError as e:  # ENOLCK & co: some network file systems
         print(f"{flag} {path}: this file system cannot lock files ({e.strerror}); a second run into it is not "
-              f"refused", file=sys.stderr)  # ENOLCK & co: some network file systems
+              f"refused", file=sys.stderr)
     stale = sorted(glob.glob(os.path.join(path, "*.tmp")))
     for f in stale:
         os.remove(f)
@@ -425,16 +379,17 @@ def write_file(path, write, fix):
 
 # ---- shared: hub ----
 def hub_reachable():
-    """Whether the Hugging Face hub (HF_ENDPOINT where a mirror is set) answers a quick probe: offline, the libraries
-    retry it for a while, a line on stderr each time, before they fail."""
-    import socket
-    from urllib.parse import urlparse
-    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    """Whether the Hugging Face hub (HF_ENDPOINT where a mirror is set) answers a quick request, through the proxy
+    where one is set: offline, the libraries retry it for a while, a line on stderr each time, before they fail."""
+    import urllib.error
+    import urllib.request
     try:
-        socket.create_connection((url.hostname, url.port or (80 if url.scheme == "http" else 443)), timeout=3).close()
-        return True
-    except (OSError, ValueError):
+        urllib.request.urlopen(os.environ.get("HF_ENDPOINT", "https://huggingface.co"), timeout=3).close()
+    except urllib.error.HTTPError:  # an error status is an answer
+        pass
+    except (OSError, ValueError):  # no name, no route, a timeout; or an HF_ENDPOINT that is not a URL
         return False
+    return True
 # ---- end shared: hub ----
 
 
@@ -461,8 +416,7 @@ def get_tokenizer(special_tokens=None):
         encoder_json_hash="196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
     )
     special = {"<|endoftext|>": EOT_TOKEN, **(special_tokens or {})}
-    name = "gpt2" if special_tokens is None else "gpt2-chat"
-    return tiktoken.Encoding(name, pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens=special)
+    return tiktoken.Encoding("gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens=special)
 # ---- end shared: tokenizer ----
 
 
@@ -472,5 +426,3 @@ if __name__ == "__main__":
     except KeyboardInterrupt:  # Ctrl-C: the shards written so far are whole, and the manifest lists them
         print("\nstopped: run the same command again to go on after the last whole shard", file=sys.stderr)
         sys.exit(130)
-    except MemoryError:  # a shard's tokens are held in memory, 2 bytes each
-        die("out of memory; lower --shard_size (or --workers), then run the same command again")

@@ -56,7 +56,6 @@ CASES = [
     case("sample-num_samples-0", "sample.py", "--ckpt", "x", "--num_samples", 0, expect="argument --num_samples"),
     case("hellaswag-limit-neg", "hellaswag.py", "--ckpt", "x", "--limit", -2, expect="argument --limit"),
     case("hellaswag-batch_size-0", "hellaswag.py", "--ckpt", "x", "--batch_size", 0, expect="argument --batch_size"),
-    case("prepare-max_shards-neg", "prepare_fineweb.py", "--max_shards", -1, expect="argument --max_shards"),
     case("prepare-workers-0", "prepare_fineweb.py", "--workers", 0, expect="argument --workers"),
     # huge values: an error, not a MemoryError
     case("prepare-shard_size-huge", "prepare_fineweb.py", "--shard_size", 100_000_000_000_000, expect="argument --shard_size"),
@@ -381,11 +380,12 @@ def test_prepare_continues_after_a_truncated_manifest(tmp_path):
     assert not list((tmp_path / "shards").glob("*.tmp"))
 
 
-def test_prepare_says_how_many_text_files_were_not_utf8(tmp_path):
+def test_prepare_refuses_a_text_file_that_is_not_utf8(tmp_path):
+    """Like a .jsonl line: an error naming the file, not text read with its bytes guessed."""
     bad = tmp_path / "latin1.txt"
     bad.write_bytes("café au lait, ".encode("latin-1") * 2000)
-    proc = run("prepare_fineweb.py", "--input", bad, *stdlib_files(2), "--out_dir", tmp_path / "shards",
+    proc = run("prepare_fineweb.py", "--input", *stdlib_files(2), bad, "--out_dir", tmp_path / "shards",
                "--shard_size", 5_000, "--workers", 1)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    notes = [line for line in proc.stderr.splitlines() if "not UTF-8" in line]
-    assert len(notes) == 1 and notes[0].startswith("1 text file(s)") and str(bad) in notes[0], proc.stderr
+    line = proc.stderr.strip()
+    assert proc.returncode == 2 and "\n" not in line and line.startswith("error:"), proc.stderr[-3000:]
+    assert str(bad) in line and "UnicodeDecodeError" in line, line

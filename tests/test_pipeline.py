@@ -35,7 +35,7 @@ def test_demo_conversations_hold_out_names():
 
 def test_offline_pipeline_from_demo_to_chat(tmp_path):
     data, base, mid, hf = (tmp_path / d for d in ("data", "base", "mid", "hf"))
-    proc = run("prepare_fineweb.py", "--demo", "--out_dir", data, "--max_shards", 2, "--workers", 1, check=True)
+    proc = run("prepare_fineweb.py", "--demo", "--out_dir", data, "--workers", 1, check=True)
     assert "held out" in proc.stdout and (data / "chat.jsonl").exists()
     run("train_gpt2.py", "--demo", *SMALL, "--data_dir", data, "--out_dir", base, "--max_steps", 20,
         "--eval_every", 20, "--val_tokens", 512, "--num_samples", 0, check=True)
