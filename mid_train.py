@@ -303,7 +303,7 @@ def hub_reachable():
         urllib.request.urlopen(os.environ.get("HF_ENDPOINT", "https://huggingface.co"), timeout=3).close()
     except urllib.error.HTTPError:  # an error status is an answer
         pass
-    except (OSError, ValueError):  # no name, no route, a timeout; or an HF_ENDPOINT that is not a URL
+    except Exception:  # no name, no route, a timeout, no HTTP; or an HF_ENDPOINT that is not a URL
         return False
     return True
 # ---- end shared: hub ----

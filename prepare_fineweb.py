@@ -57,7 +57,7 @@ def get_args(argv=None):
     args.out_dir = args.out_dir or f"data/{os.path.basename(args.dataset)}-{args.config.removeprefix('sample-')}"
     args.files = []
     for pattern in args.input:
-        matches = sorted(glob.glob(pattern, recursive=True))
+        matches = sorted(f for f in glob.glob(pattern, recursive=True) if os.path.isfile(f))
         if not matches or not all(f.endswith((".txt", ".md", ".py", ".jsonl", ".parquet")) for f in matches):
             die(f"--input {pattern} matches no file, or a file that is not .txt (.md, .py), .jsonl or .parquet; "
                 f"check the path or quote the glob")
@@ -69,28 +69,38 @@ def get_args(argv=None):
 # sources: each gives the documents' texts in a fixed order
 
 
-def local_documents(files, text_field):
-    """Documents of local files: a .txt (.md, .py) file is one; a .jsonl or .parquet file has one per row."""
-    for path in files:
-        where = path  # what an error names: the file, or its line
-        try:
+def documents_of(args):
+    """The documents: a local .txt (.md, .py) file is one, a .jsonl or .parquet file has one a row; without --input,
+    the rows of --dataset, streamed through `datasets` so that shards start at once and the set is never whole on
+    disk."""
+    where = args.dataset  # what an error names: the dataset, a file, or a line of it
+    try:
+        if not args.files:
+            import datasets
+            if not os.path.isdir(args.dataset) and not hub_reachable():
+                die(f"cannot reach the Hugging Face hub to stream {args.dataset}; offline, give local files with --input")
+            for i, row in enumerate(datasets.load_dataset(args.dataset, name=args.config or None, split="train",
+                                                          streaming=True)):
+                yield row_text(row, args.text_field, f"row {i} of {args.dataset}")
+        for path in args.files:
+            where = path
             if path.endswith(".jsonl"):
                 with open(path, "rb") as f:
                     for line_no, line in enumerate(f, 1):
                         where = f"{path}:{line_no}"
                         if line.strip():
-                            yield row_text(json.loads(line), text_field, where)
+                            yield row_text(json.loads(line), args.text_field, where)
             elif path.endswith(".parquet"):
                 import pyarrow.parquet as pq
-                batches = pq.ParquetFile(path).iter_batches(columns=[text_field])
+                batches = pq.ParquetFile(path).iter_batches(columns=[args.text_field])
                 for row_no, row in enumerate(row for batch in batches for row in batch.to_pylist()):
-                    yield row_text(row, text_field, f"{path} row {row_no}")
+                    yield row_text(row, args.text_field, f"{path} row {row_no}")
             else:
-                with open(path, encoding="utf-8", newline="") as f:  # newline="": the file's line ends, as written
-                    yield f.read()
-        except (OSError, ValueError) as e:  # ValueError: bad JSON or parquet, or bytes that are not UTF-8
-            die(f"cannot read {where} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); fix or "
-                f"remove it")
+                yield open(path, encoding="utf-8", newline="").read()  # newline="": the line ends as written
+    # bad JSON or parquet, bytes that are not UTF-8; a dataset, config or split that is not there (datasets' errors)
+    except (OSError, ValueError) as e:
+        die(f"cannot read {where} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+            f"{'check --dataset and --config (empty for a folder)' if where == args.dataset else 'fix or remove it'}")
 
 
 def row_text(row, text_field, where):
@@ -99,16 +109,6 @@ def row_text(row, text_field, where):
     if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
         die(f"{where} has no field '{text_field}' holding a string; set --text_field, or fix or remove that row")
     return row[text_field]
-
-
-def hub_documents(args):
-    """Stream rows through `datasets`, so shards start at once and the set is never whole on disk."""
-    import datasets
-    if not os.path.isdir(args.dataset) and not hub_reachable():
-        die(f"cannot reach the Hugging Face hub to stream {args.dataset}; offline, give local files with --input")
-    rows = datasets.load_dataset(args.dataset, name=args.config or None, split="train", streaming=True)
-    for i, row in enumerate(rows):
-        yield row_text(row, args.text_field, f"row {i} of {args.dataset}")
 
 
 # the demo: the English of Python's standard library, and questions about its functions answered by their docstrings
@@ -226,12 +226,9 @@ def main(argv=None):
         documents, names = stdlib_texts()
         write_file(os.path.join(args.out_dir, "chat.jsonl"), lambda f: f.write(demo_chat(names).encode()), RESUME_FIX)
         print(f"demo: questions about {len(names):,} documented names in chat.jsonl, one name in 10 held out")
-    elif args.files:
-        source = f"local files: {' '.join(args.input)}"
-        documents = local_documents(args.files, args.text_field)
     else:
-        source = f"hub: {args.dataset} {args.config}"
-        documents = hub_documents(args)
+        source = f"local files: {' '.join(args.input)}" if args.files else f"hub: {args.dataset} {args.config}"
+        documents = documents_of(args)
 
     # ---- pick up where an earlier run with the same flags stopped: its manifest.json lists the shards it wrote (each
     # renamed whole into place before it is listed), and the token stream goes on after the last of them; a damaged
@@ -387,7 +384,7 @@ def hub_reachable():
         urllib.request.urlopen(os.environ.get("HF_ENDPOINT", "https://huggingface.co"), timeout=3).close()
     except urllib.error.HTTPError:  # an error status is an answer
         pass
-    except (OSError, ValueError):  # no name, no route, a timeout; or an HF_ENDPOINT that is not a URL
+    except Exception:  # no name, no route, a timeout, no HTTP; or an HF_ENDPOINT that is not a URL
         return False
     return True
 # ---- end shared: hub ----
@@ -426,3 +423,5 @@ if __name__ == "__main__":
     except KeyboardInterrupt:  # Ctrl-C: the shards written so far are whole, and the manifest lists them
         print("\nstopped: run the same command again to go on after the last whole shard", file=sys.stderr)
         sys.exit(130)
+    except MemoryError:  # a shard's tokens are held in memory, 2 bytes each
+        die("out of memory; lower --shard_size (or --workers), then run the same command again")

@@ -37,7 +37,7 @@ def test_shards_hold_the_documents_tokens(kind, tmp_path):
     if kind == "txt":
         for i, d in enumerate(docs):
             (src / f"doc{i:04d}.txt").write_text(d)
-        inputs = [str(src / "*.txt")]
+        inputs = [str(src / "**")]  # recursive: it matches src/ too, which is not a file and is left out
     elif kind == "jsonl":
         with open(src / "a.jsonl", "w") as f:
             f.writelines(json.dumps({"body": d, "id": i}) + "\n" for i, d in enumerate(docs[:120]))
@@ -113,23 +113,27 @@ def test_offline_hub_fails_at_once_pointing_to_input(tmp_path):
     assert proc.returncode == 2 and "--input" in proc.stderr and time.time() - start < 30
 
 
-@pytest.mark.parametrize("case", ["no_match", "missing_field", "unreadable", "bad_json"])
+@pytest.mark.parametrize("case", ["no_match", "missing_field", "unreadable", "bad_json", "folder_config"])
 def test_bad_input_gives_one_line_error(case, tmp_path):
     expect = {"no_match": "matches no file", "missing_field": "no field 'text'", "unreadable": "cannot read",
-              "bad_json": "a.jsonl:2 (JSONDecodeError"}[case]
-    out = tmp_path / "out"
+              "bad_json": "a.jsonl:2 (JSONDecodeError", "folder_config": "check --dataset and --config"}[case]
     if case == "no_match":
-        inputs = [str(tmp_path / "nothing*.jsonl")]
+        source = ["--input", str(tmp_path / "nothing*.jsonl")]
     elif case == "missing_field":
         (tmp_path / "a.jsonl").write_text(json.dumps({"content": "hello"}) + "\n")
-        inputs = [str(tmp_path / "a.jsonl")]
+        source = ["--input", str(tmp_path / "a.jsonl")]
     elif case == "unreadable":
         (tmp_path / "a.parquet").write_bytes(b"this is not parquet")
-        inputs = [str(tmp_path / "a.parquet")]
-    else:
+        source = ["--input", str(tmp_path / "a.parquet")]
+    elif case == "bad_json":
         (tmp_path / "a.jsonl").write_text('{"text": "fine"}\n{"text": broken\n')
-        inputs = [str(tmp_path / "a.jsonl")]
-    proc = run("prepare_fineweb.py", "--input", *inputs, "--out_dir", out, "--workers", 1)
+        source = ["--input", str(tmp_path / "a.jsonl")]
+    else:  # a local `datasets` folder with the default --config, which only the hub set has
+        pytest.importorskip("datasets")
+        (tmp_path / "data").mkdir()
+        (tmp_path / "data" / "train.jsonl").write_text(json.dumps({"text": "hello"}) + "\n")
+        source = ["--dataset", str(tmp_path / "data")]
+    proc = run("prepare_fineweb.py", *source, "--out_dir", tmp_path / "out", "--workers", 1)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and expect in lines[0], proc.stderr
