@@ -282,8 +282,8 @@ def main(argv=None):
         die(f"the source gave {sum(s['tokens'] for s in shards):,} tokens, not enough for a val and a train shard; "
             f"lower --shard_size or give more text")
     save_manifest(complete=True)
-    print(f"done: {shards[-1]['end_doc']:,} documents, {sum(s['tokens'] for s in shards):,} tokens, "
-          f"{len(shards)} shards in {args.out_dir} ({time.time() - t0:.1f} s)")
+    print(f"done: {shards[-1]['end_doc'] + (shards[-1]['end_offset'] > 0):,} documents, {sum(s['tokens'] for s in shards):,} "
+          f"tokens, {len(shards)} shards in {args.out_dir} ({time.time() - t0:.1f} s)")
 
 
 # -----------------------------------------------------------------------------
