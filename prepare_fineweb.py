@@ -35,10 +35,11 @@ def get_args(argv=None):
     p = argparse.ArgumentParser(description="Tokenize FineWeb(-Edu) or local text into llm.c .bin token shards.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.error = die
-    p.add_argument("--dataset", default="HuggingFaceFW/fineweb-edu",
+    source = p.add_mutually_exclusive_group()  # one source: the hub's --dataset, --input files or --demo
+    source.add_argument("--dataset", default="HuggingFaceFW/fineweb-edu",
                    help="`datasets` name (HuggingFaceFW/fineweb too) or local folder to stream, split train")
     p.add_argument("--config", default="sample-10BT", help="its config: sample-10BT, sample-100BT, ...; '' for none")
-    p.add_argument("--input", nargs="+", default=[],
+    source.add_argument("--input", nargs="+", default=[],
                    help="instead, local .txt (a document per file), .jsonl or .parquet paths or globs")
     p.add_argument("--text_field", default="text", help="field holding the text in .jsonl/.parquet/datasets rows")
     p.add_argument("--out_dir", help="where shards go, named after it (default: data/<dataset's name>-<config>, "
@@ -46,7 +47,7 @@ def get_args(argv=None):
     p.add_argument("--shard_size", type=ranged(int, 1, 2**31 - 1), default=100_000_000,
                    help="tokens per shard (at most 2^31 - 1, the header's int32 count)")
     p.add_argument("--workers", type=positive_int, default=os.cpu_count(), help="tokenizer processes, one a core")
-    p.add_argument("--demo", action="store_true",
+    source.add_argument("--demo", action="store_true",
                    help="preset, offline: the Python standard library's docstrings and reference topics into data/demo "
                         "in shards of 65,536 tokens, for train_gpt2.py --demo, and questions about its functions into "
                         "data/demo/chat.jsonl, for mid_train.py --demo")
@@ -85,11 +86,10 @@ def documents_of(args):
         for path in args.files:
             where = path
             if path.endswith(".jsonl"):
-                with open(path, "rb") as f:
-                    for line_no, line in enumerate(f, 1):
-                        where = f"{path}:{line_no}"
-                        if line.strip():
-                            yield row_text(json.loads(line), args.text_field, where)
+                for line_no, line in enumerate(open(path, "rb"), 1):
+                    where = f"{path}:{line_no}"
+                    if line.strip():
+                        yield row_text(json.loads(line), args.text_field, where)
             elif path.endswith(".parquet"):
                 import pyarrow.parquet as pq
                 batches = pq.ParquetFile(path).iter_batches(columns=[args.text_field])
@@ -237,8 +237,7 @@ def main(argv=None):
     shards, complete = [], False
     if os.path.exists(manifest_path):
         try:
-            with open(manifest_path) as f:
-                previous = json.load(f)
+            previous = json.load(open(manifest_path))
             if (previous["source"], previous["shard_size"]) != (source, args.shard_size):
                 die(f"{args.out_dir} holds shards of another source or shard size; use another --out_dir or empty it")
             shards, complete = previous["shards"], previous["complete"]

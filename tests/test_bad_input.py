@@ -57,6 +57,9 @@ CASES = [
     case("hellaswag-limit-neg", "hellaswag.py", "--ckpt", "x", "--limit", -2, expect="argument --limit"),
     case("hellaswag-batch_size-0", "hellaswag.py", "--ckpt", "x", "--batch_size", 0, expect="argument --batch_size"),
     case("prepare-workers-0", "prepare_fineweb.py", "--workers", 0, expect="argument --workers"),
+    case("prepare-input-and-demo", "prepare_fineweb.py", "--demo", "--input", "x.txt", expect="not allowed with"),
+    case("prepare-input-and-dataset", "prepare_fineweb.py", "--input", "x.txt", "--dataset", "y",
+         expect="not allowed with"),
     # huge values: an error, not a MemoryError
     case("prepare-shard_size-huge", "prepare_fineweb.py", "--shard_size", 100_000_000_000_000, expect="argument --shard_size"),
     # ---- devices
