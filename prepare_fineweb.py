@@ -79,7 +79,8 @@ def documents_of(args):
         if not args.files:
             import datasets
             if not os.path.isdir(args.dataset) and not hub_reachable():
-                die(f"cannot reach the Hugging Face hub to stream {args.dataset}; offline, give local files with --input")
+                die(f"cannot reach the Hugging Face hub to stream {args.dataset} (nor is it a local folder); offline, give "
+                    f"local files with --input")
             for i, row in enumerate(datasets.load_dataset(args.dataset, name=args.config or None, split="train",
                                                           streaming=True)):
                 yield row_text(row, args.text_field, f"row {i} of {args.dataset}")
