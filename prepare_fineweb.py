@@ -37,10 +37,10 @@ def get_args(argv=None):
     p.error = die
     source = p.add_mutually_exclusive_group()  # one source: the hub's --dataset, --input files or --demo
     source.add_argument("--dataset", default="HuggingFaceFW/fineweb-edu",
-                   help="`datasets` name (HuggingFaceFW/fineweb too) or local folder to stream, split train")
+                        help="`datasets` name (HuggingFaceFW/fineweb too) or local folder to stream, split train")
     p.add_argument("--config", default="sample-10BT", help="its config: sample-10BT, sample-100BT, ...; '' for none")
     source.add_argument("--input", nargs="+", default=[],
-                   help="instead, local .txt (a document per file), .jsonl or .parquet paths or globs")
+                        help="instead, local .txt (a document per file), .jsonl or .parquet paths or globs")
     p.add_argument("--text_field", default="text", help="field holding the text in .jsonl/.parquet/datasets rows")
     p.add_argument("--out_dir", help="where shards go, named after it (default: data/<dataset's name>-<config>, "
                                      "data/fineweb-edu-10BT)")
@@ -48,9 +48,9 @@ def get_args(argv=None):
                    help="tokens per shard (at most 2^31 - 1, the header's int32 count)")
     p.add_argument("--workers", type=positive_int, default=os.cpu_count(), help="tokenizer processes, one a core")
     source.add_argument("--demo", action="store_true",
-                   help="preset, offline: the Python standard library's docstrings and reference topics into data/demo "
-                        "in shards of 65,536 tokens, for train_gpt2.py --demo, and questions about its functions into "
-                        "data/demo/chat.jsonl, for mid_train.py --demo")
+                        help="preset, offline: the Python standard library's docstrings and reference topics into "
+                             "data/demo in shards of 65,536 tokens, for train_gpt2.py --demo, and questions about its "
+                             "functions into data/demo/chat.jsonl, for mid_train.py --demo")
     args = p.parse_args(argv)
     if args.demo:  # the preset changes the defaults; flags given explicitly still win
         p.set_defaults(out_dir="data/demo", shard_size=65_536)  # of 373K tokens
