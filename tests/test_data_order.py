@@ -33,7 +33,7 @@ def window_starts(batches, span):
 @pytest.mark.parametrize("order", ["shuffled", "sequential"])
 def test_an_epoch_reads_every_window_once(files, order):
     B, T, span = 2, 8, 3
-    loader = ShardLoader(files, B, T, 0, 1, span=span, seed=7 if order == "shuffled" else None)
+    loader = ShardLoader(files, B, T, 0, 1, micro_batches_per_window=span, seed=7 if order == "shuffled" else None)
     W = B * T * span
     offsets = np.cumsum([0] + LENGTHS[:-1])
     every = sorted(int(o) + W * k for o, n in zip(offsets, LENGTHS) for k in range((n - 1) // W))
@@ -81,30 +81,30 @@ def test_sequential_is_the_old_order(files):
 
 def test_ranks_split_a_step_as_one_process_does(files):
     """2 ranks with one micro-batch a step read, between them, what 1 process reads in its 2 micro-batches."""
-    one = read(ShardLoader(files, 2, 8, 0, 1, span=2, seed=3), 2 * 200)
-    ranks = [read(ShardLoader(files, 2, 8, r, 2, span=1, seed=3), 200) for r in range(2)]
+    one = read(ShardLoader(files, 2, 8, 0, 1, micro_batches_per_window=2, seed=3), 2 * 200)
+    ranks = [read(ShardLoader(files, 2, 8, r, 2, micro_batches_per_window=1, seed=3), 200) for r in range(2)]
     for step in range(200):
         for r in range(2):
             assert (one[2 * step + r][0] == ranks[r][step][0]).all() and (one[2 * step + r][1] == ranks[r][step][1]).all()
 
 
 def test_resume_from_state_is_exact(files):
-    straight = ShardLoader(files, 2, 8, 0, 1, span=2, seed=5)
+    straight = ShardLoader(files, 2, 8, 0, 1, micro_batches_per_window=2, seed=5)
     want = read(straight, 500)  # past the end of the first epoch (~110 micro-batches) and well into later ones
     for cut in (0, 1, 37, 110, 111, 250):
-        first = ShardLoader(files, 2, 8, 0, 1, span=2, seed=5)
+        first = ShardLoader(files, 2, 8, 0, 1, micro_batches_per_window=2, seed=5)
         read(first, cut)
         state = first.state()
         assert all(type(v) in (int, str) for v in state.values())  # plain values: torch.load(weights_only) reads them
-        resumed = ShardLoader(files, 2, 8, 0, 1, span=2, seed=5)
+        resumed = ShardLoader(files, 2, 8, 0, 1, micro_batches_per_window=2, seed=5)
         resumed.load_state(state)
         got = read(resumed, 500 - cut)
         assert all((g[0] == w[0]).all() for g, w in zip(got, want[cut:]))
 
 
 def test_other_batch_size_on_resume_is_an_error(files, capsys):
-    first = ShardLoader(files, 2, 8, 0, 1, span=2, seed=5)
+    first = ShardLoader(files, 2, 8, 0, 1, micro_batches_per_window=2, seed=5)
     read(first, 20)
     with pytest.raises(SystemExit) as e:
-        ShardLoader(files, 2, 8, 0, 1, span=4, seed=5).load_state(first.state())  # windows of 64 tokens, not 32
+        ShardLoader(files, 2, 8, 0, 1, micro_batches_per_window=4, seed=5).load_state(first.state())  # windows of 64 tokens, not 32
     assert e.value.code == 2 and "--total_batch_size" in capsys.readouterr().err
