@@ -489,12 +489,14 @@ def hub_reachable():
 
 # ---- shared: distributed ----
 def init_distributed(device="auto"):
-    """The device, checked; and under torchrun the process group (NCCL on CUDA, gloo elsewhere), one GPU
-    a process."""
+    """The device, checked, a GPU by its index (cuda:N); and under torchrun the process group (NCCL on CUDA,
+    gloo elsewhere), one GPU a process."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    if device.startswith("cuda") and world_size > 1:
-        device = f"cuda:{os.environ['LOCAL_RANK']}"
+    # torch.cuda.set_device needs a GPU's index ("cuda" alone names none): the first GPU, or under torchrun the
+    # rank's own
+    if device == "cuda" or (device.startswith("cuda") and world_size > 1):
+        device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}"
     try:  # a device this machine lacks, or a name torch does not take, fails here
         if device.startswith("cuda"):
             torch.cuda.set_device(device)  # the current device: NCCL's, CUDA RNG state's, new tensors'
@@ -502,9 +504,10 @@ def init_distributed(device="auto"):
     except Exception as e:
         die(f"--device {device}: {str(e).splitlines()[0]}; give auto, cpu, mps, cuda or cuda:N (torch "
             f"{torch.__version__} sees {torch.cuda.device_count()} CUDA device(s))")
-    if world_size > 1:
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
-                                device_id=torch.device(device) if device.startswith("cuda") else None)
+    if world_size > 1 and device.startswith("cuda"):
+        dist.init_process_group("nccl", device_id=torch.device(device))
+    elif world_size > 1:
+        dist.init_process_group("gloo")
     return device
 
 

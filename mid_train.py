@@ -721,7 +721,7 @@ def main(argv=None):
     # (a switch would cost torch.compile a recompile).
     raw_model.to(device)
     dtype = autocast_dtype(args.dtype, device)
-    model, optimizers, scaler, autocast_ctx = setup_training(raw_model, args, dtype)
+    model, optimizers, scaler, autocast_ctx = setup_training(raw_model, args, dtype, device)
 
     # ---- where a resumed run was, and the log
     start_step, val_loss, wandb_run_id = 0, None, None
@@ -849,12 +849,14 @@ def main(argv=None):
 
 # ---- shared: distributed ----
 def init_distributed(device="auto"):
-    """The device, checked; and under torchrun the process group (NCCL on CUDA, gloo elsewhere), one GPU
-    a process."""
+    """The device, checked, a GPU by its index (cuda:N); and under torchrun the process group (NCCL on CUDA,
+    gloo elsewhere), one GPU a process."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    if device.startswith("cuda") and world_size > 1:
-        device = f"cuda:{os.environ['LOCAL_RANK']}"
+    # torch.cuda.set_device needs a GPU's index ("cuda" alone names none): the first GPU, or under torchrun the
+    # rank's own
+    if device == "cuda" or (device.startswith("cuda") and world_size > 1):
+        device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}"
     try:  # a device this machine lacks, or a name torch does not take, fails here
         if device.startswith("cuda"):
             torch.cuda.set_device(device)  # the current device: NCCL's, CUDA RNG state's, new tensors'
@@ -862,9 +864,10 @@ def init_distributed(device="auto"):
     except Exception as e:
         die(f"--device {device}: {str(e).splitlines()[0]}; give auto, cpu, mps, cuda or cuda:N (torch "
             f"{torch.__version__} sees {torch.cuda.device_count()} CUDA device(s))")
-    if world_size > 1:
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
-                                device_id=torch.device(device) if device.startswith("cuda") else None)
+    if world_size > 1 and device.startswith("cuda"):
+        dist.init_process_group("nccl", device_id=torch.device(device))
+    elif world_size > 1:
+        dist.init_process_group("gloo")
     return device
 
 
@@ -894,11 +897,11 @@ def micro_batch_advice(B, T, total_batch_size):
             f"optimizer state do not: a smaller model, or --fsdp over several GPUs")
 
 
-def setup_training(raw_model, args, dtype):
-    """Sharding, optimizers, DDP and compile, in the order they must happen. Returns the module that trains
-    and evaluates (DDP-wrapped and/or compiled), the optimizers, the grad scaler (float16 only) and the
-    autocast context."""
-    device = next(raw_model.parameters()).device
+def setup_training(raw_model, args, dtype, device):
+    """Sharding, optimizers, DDP and compile, in the order they must happen, for init_distributed's device.
+    Returns the module that trains and evaluates (DDP-wrapped and/or compiled), the optimizers, the grad scaler
+    (float16 only) and the autocast context."""
+    device = torch.device(device)
     autocast_ctx = autocast_context(device.type, dtype)
     if args.fsdp and (world_size < 2 or args.optimizer == "muon" or dtype == torch.float16):
         die("--fsdp shards AdamW in bfloat16 or float32 over processes: launch with torchrun --nproc_per_node=N, "

@@ -13,7 +13,8 @@
 #                                # 400 steps x 32,768 tokens each (~6 min)
 #   bash bench/gpu.sh --part 4   # the largest micro-batch in 24 GiB (bench/max_micro_batch.py); a small base model
 #                                # then a short mid_train.py run on the bundle's chat, GSM8K and MMLU files (~5 min)
-#   bash bench/gpu.sh --dry_run  # anywhere (CPU): every part with tiny models and few steps
+#   bash bench/gpu.sh --dry_run  # anywhere (CPU): every part with tiny models and few steps, on a GPU machine
+#                                # faked by tests/fake_cuda, so that the scripts take their CUDA path
 #
 # Options: --bundle DIR (default .gpu_bundle), --part 1|2|3|4 (default: all four in order), --dry_run.
 # A step that fails is marked FAIL and the part goes on; the exit status is 1 if any step failed.
@@ -41,10 +42,14 @@ trap 'rm -rf "$site"' EXIT
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$bundle"/wheels/*.whl \
     || die "installing $bundle/wheels/*.whl failed"
 export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+if [[ $dry ]]; then  # two H100s faked on this CPU: each script runs with its default devices, as on the GPU machine
+    export PYTHONPATH=$PWD/tests/fake_cuda:$PYTHONPATH FAKE_CUDA=1
+fi
 results=${OUT:-out/gpu/results}
 mkdir -p "$results"
 echo "python3 $(python3 -c 'import sys, torch; print(sys.version.split()[0], "| torch", torch.__version__, "| CUDA:",
-    torch.cuda.get_device_name() if torch.cuda.is_available() else "none")') | bundle $bundle | results in $results"
+    torch.cuda.get_device_name() if torch.cuda.is_available() else "none")')${dry:+ (faked)} | bundle $bundle" \
+    "| results in $results"
 
 shards=data/gpu-fineweb hellaswag=$bundle/hellaswag/hellaswag_val_subset1000.jsonl
 if [[ $dry ]]; then  # tests/conftest.py's tiny GPT, in float32 so that a resumed run repeats bit for bit

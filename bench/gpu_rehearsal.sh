@@ -3,7 +3,8 @@
 # bundle's wheels installed as bench/gpu.sh installs them there (pip --no-index --no-deps --target), then every part
 # of bench/gpu.sh with --dry_run, with no network. What the bundle lacks then fails here, not on the GPU's clock.
 # Differences that remain: torch 2.13.0+cpu here stands in for the GPU machine's 2.11.0+cu130, and Python 3.11 for
-# its 3.12 (the bundle's one wheel is pure Python); the CUDA code paths themselves run only there.
+# its 3.12 (the bundle's one wheel is pure Python); the CUDA code paths run here on a GPU faked by tests/fake_cuda
+# (what that cannot tell: tests/test_cuda_rehearsal.py), for real only there.
 #
 #   bash bench/gpu_rehearsal.sh [BUNDLE]      # BUNDLE: filled by bench/gpu_bundle.sh, default .gpu_bundle
 set -euo pipefail

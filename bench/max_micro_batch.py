@@ -55,7 +55,7 @@ def main():
     train_args = tg.get_args(["--device", device, "--dtype", "bfloat16", "--compile", compile_flag])
     torch.manual_seed(0)
     model = tg.GPT(tg.GPTConfig(block_size=T, **size)).to(device)
-    model, optimizers, scaler, autocast_ctx = tg.setup_training(model, train_args, torch.bfloat16)
+    model, optimizers, scaler, autocast_ctx = tg.setup_training(model, train_args, torch.bfloat16, device)
 
     def fits(B):
         x = y = None

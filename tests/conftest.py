@@ -29,8 +29,8 @@ def run(script, *args, env=None, timeout=600, check=False):
     return proc
 
 
-def torchrun(script, *args, nproc=2, timeout=600):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+def torchrun(script, *args, nproc=2, timeout=600, env=None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            os.path.join(REPO, script), *map(str, args)]
     with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as popen:

@@ -1,0 +1,138 @@
+"""The CUDA path, rehearsed on a CPU: each script's real main() as a user on a GPU machine types it (the default
+--device, --dtype and --compile), with the GPU faked by tests/fake_cuda/sitecustomize.py. Only the device layer is
+faked (torch.cuda's answers, where tensors live, NCCL, DDP's device_ids, CUDA autocast), torch's own argument checks
+are kept, and the fake's trace file shows which CUDA-only branches ran: the device choice and set_device, NCCL's
+start, bf16 (or fp16 and the grad scaler), TF32, pinned copies, the samples' generator, the MFU lookup, the peak
+memory, the out-of-memory line and compile auto.
+
+What such a rehearsal cannot tell, and only a GPU run can (tests/test_cuda.py, bench/gpu.sh):
+- the CUDA kernels and their numbers: cuBLAS bf16/fp16 matmuls, flash attention, TF32, Triton code from
+  torch.compile (here it writes C++ for the CPU), fused AdamW's CUDA kernel, NCCL's collectives (gloo runs here);
+- FSDP2's CUDA side: it takes its device from torch's C++ core, which the fake leaves alone, so here it shards on a
+  CPU mesh, without its CUDA streams;
+- a tensor left on the wrong device: every tensor lives on the CPU here, so mixing devices cannot fail, and a
+  pinned, non-blocking copy overlaps nothing; nor a GPU checkpoint's CUDA tensors (the fake's hold CPU ones);
+- memory: the peak is 0 here (no CUDA allocator), and the fake's limit is one tensor's size, not the caching
+  allocator's total; so not what micro-batch fits;
+- speed: tok/s and MFU are CPU figures over an H100's peak;
+- Muon's Newton-Schulz in bf16 (it asks the tensor, G.is_cuda, which is False here), and MPS."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from conftest import REPO, TINY, read_log, run, torchrun, train_losses, val_losses
+from test_mid_train import conversations, write_chat
+from test_train import write_hellaswag_fixture
+
+# conftest's tiny GPT as a GPU user runs it: the default --device, --dtype and --compile
+AS_TYPED = [x for flag, value in zip(TINY[::2], TINY[1::2]) if flag not in ("--device", "--dtype", "--compile")
+            for x in (flag, value)]
+
+
+def gpu_machine(trace, **settings):
+    """The environment of a run on a faked GPU machine (2 H100s unless settings say otherwise: name="Tesla V100",
+    bf16=0, memory_mib=16...), whose CUDA-only calls go to the file trace."""
+    fake = os.path.join(REPO, "tests", "fake_cuda")
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [fake, os.environ.get("PYTHONPATH")])), "FAKE_CUDA": "1",
+            "FAKE_CUDA_TRACE": str(trace), **{f"FAKE_CUDA_{key.upper()}": str(v) for key, v in settings.items()}}
+
+
+def traced(path):
+    with open(path) as f:
+        return set(f.read().splitlines())
+
+
+@pytest.fixture(scope="module")
+def gpu_run(shards, tmp_path_factory):
+    """python train_gpt2.py as typed on a machine with two H100s (conftest's tiny GPT): 4 steps, with the val loss,
+    samples and HellaSwag every 2. Its out_dir, which also holds the fake's trace, and its process."""
+    out = tmp_path_factory.mktemp("gpu_run")
+    write_hellaswag_fixture(out / "hellaswag.jsonl")
+    proc = run("train_gpt2.py", *AS_TYPED, "--data_dir", shards, "--out_dir", out, "--max_steps", 4, "--eval_every", 2,
+               "--num_samples", 2, "--sample_len", 6, "--hellaswag_file", out / "hellaswag.jsonl",
+               "--hellaswag_every", 2, env=gpu_machine(out / "trace"), check=True)
+    return out, proc
+
+
+def test_train_gpt2_as_typed_on_a_gpu_machine(gpu_run):
+    """python train_gpt2.py: cuda:0 in bf16, compiled, with the samples, HellaSwag and the MFU of an H100."""
+    out, proc = gpu_run
+    assert "| cuda:0 bfloat16 |" in proc.stdout
+    assert "compiling the model" in proc.stdout.split("step     0 |")[0]  # compile auto: on for CUDA, said first
+    steps = [line for line in proc.stdout.splitlines() if line.startswith("step ") and "/4 | loss" in line]
+    assert len(steps) == 4 and all("| MFU " in line for line in steps)  # the H100's peak, by the device's name
+    log = read_log(out)
+    assert all(r["peak_mem_gib"] == 0 for r in log if "peak_mem_gib" in r)  # torch.cuda's peak, not the process's RSS
+    val = val_losses(out)
+    assert sorted(val) == [0, 2, 4] and val[4] < val[0]
+    assert proc.stdout.count("---- sample 1 ----\n") == 2
+    assert [r["hellaswag_acc_norm"] >= 0 for r in log if "hellaswag_acc_norm" in r] == [True] * 3
+    assert {"rank 0: set_device 0", "rank 0: autocast cuda torch.bfloat16", "rank 0: float32_matmul_precision high",
+            "rank 0: pin_memory", "rank 0: Generator cuda:0"} <= traced(out / "trace")
+
+
+def test_ddp_and_fsdp_as_typed_on_two_gpus(gpu_run, shards, tmp_path):
+    """torchrun --nproc_per_node=2: a GPU a rank, NCCL (gloo here) on it, DDP on it; the same losses as one process.
+    Both eager: compile auto is rehearsed in the one-process run."""
+    trace = tmp_path / "trace"
+    # 2 steps, both in the warm-up, whose learning rates do not depend on --max_steps: as the one-process run's
+    flags = [*AS_TYPED, "--data_dir", shards, "--max_steps", 2, "--eval_every", 2, "--compile", "off"]
+    torchrun("train_gpt2.py", *flags, "--out_dir", tmp_path / "ddp", env=gpu_machine(trace))
+    one, two = train_losses(gpu_run[0]), train_losses(tmp_path / "ddp")
+    assert sorted(two) == [0, 1] and all(abs(one[s] - two[s]) < 1e-4 for s in two), (one, two)
+    assert abs(val_losses(gpu_run[0])[2] - val_losses(tmp_path / "ddp")[2]) < 1e-4
+    for rank in (0, 1):
+        assert {f"rank {rank}: set_device {rank}", f"rank {rank}: init_process_group nccl cuda:{rank}",
+                f"rank {rank}: DDP device_ids [{rank}]", f"rank {rank}: autocast cuda torch.bfloat16"} <= traced(trace)
+    trace.unlink()
+    fsdp = torchrun("train_gpt2.py", *flags, "--out_dir", tmp_path / "fsdp", "--fsdp", env=gpu_machine(trace))
+    assert "(FSDP) | cuda:0 bfloat16 |" in fsdp.stdout
+    val = val_losses(tmp_path / "fsdp")
+    assert val[2] < val[0]
+    assert {f"rank {rank}: init_process_group nccl cuda:{rank}" for rank in (0, 1)} <= traced(trace)
+
+
+def test_mid_train_sample_hellaswag_and_export_as_typed_on_a_gpu_machine(gpu_run, tmp_path):
+    """mid_train.py on a GPU without bf16 (a V100: fp16 and the grad scaler), then sample.py (also on a second GPU,
+    in bf16), hellaswag.py and export_hf.py with their defaults."""
+    base, _ = gpu_run
+    write_chat(tmp_path / "chat.jsonl", conversations(240))
+    trace, mid = tmp_path / "trace", tmp_path / "mid"
+    v100 = gpu_machine(trace, name="Tesla V100-SXM2-16GB", bf16=0)
+    proc = run("mid_train.py", "--init_ckpt", base, "--data", f"chat:{tmp_path / 'chat.jsonl'}", "--out_dir", mid,
+               "--micro_batch_size", 2, "--seq_len", 64, "--lr", 3e-3, "--val_fraction", 0.1, "--max_steps", 2,
+               "--eval_every", 2, "--sample_len", 8, "--compile", "off", env=v100, check=True)
+    assert "| cuda:0 float16 |" in proc.stdout and "| MFU " not in proc.stdout  # a V100 is not in the table
+    assert proc.stdout.count("---- sample 0 ----\nuser: ") == 2
+    val = val_losses(mid)
+    assert val[2] < val[0]
+    assert torch.load(mid / "ckpt_0000002.pt", weights_only=True)["scaler"]["scale"] > 0  # on: one off saves no scale
+    assert {"rank 0: set_device 0", "rank 0: autocast cuda torch.float16", "rank 0: pin_memory",
+            "rank 0: Generator cuda:0"} <= traced(trace)
+
+    trace.unlink()
+    for ckpt, flags in ((mid, []), (base, ["--device", "cuda:1", "--dtype", "auto"])):
+        proc = run("sample.py", "--ckpt", ckpt, "--prompt", "import os", "--max_new_tokens", 8, *flags,
+                   env=gpu_machine(trace), check=True)
+        assert proc.stdout.startswith("import os") and " tok/s]" in proc.stderr
+    write_hellaswag_fixture(tmp_path / "hellaswag.jsonl")
+    scored = run("hellaswag.py", "--ckpt", base, "--data_file", tmp_path / "hellaswag.jsonl", env=gpu_machine(trace),
+                 check=True)
+    assert json.loads(scored.stdout)["examples"] == 6
+    assert {"rank 0: set_device 0", "rank 0: Generator cuda:0", "rank 0: set_device 1", "rank 0: Generator cuda:1",
+            "rank 0: autocast cuda torch.bfloat16"} <= traced(trace)
+    run("export_hf.py", "--ckpt", mid, "--out_dir", tmp_path / "hf", env=gpu_machine(trace), check=True)
+    assert (tmp_path / "hf" / "config.json").exists()
+
+
+def test_out_of_gpu_memory_is_one_line(shards, tmp_path):
+    """A GPU of 16 MiB: the first step's logits do not fit, and the error says what to lower."""
+    proc = run("train_gpt2.py", *AS_TYPED, "--data_dir", shards, "--out_dir", tmp_path / "run", "--max_steps", 2,
+               "--compile", "off", env=gpu_machine(tmp_path / "trace", memory_mib=16))
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        "error: out of GPU memory: the micro-batch is --micro_batch_size 4 x --seq_len 32; lower --micro_batch_size "
+        "(gradient accumulation keeps --total_batch_size 256); if 1 does not fit, the model and its optimizer state "
+        "do not: a smaller model, or --fsdp over several GPUs"], proc.stderr
