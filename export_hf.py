@@ -1,14 +1,15 @@
 """
-Export a checkpoint of train_gpt2.py or mid_train.py to a Hugging Face transformers folder: GPT2LMHeadModel weights
-(safetensors) and config, and the GPT-2 tokenizer files, written offline from the vocab we ship.
+Export a checkpoint of train_gpt2.py or mid_train.py to a Hugging Face transformers folder: GPT2LMHeadModel
+weights (safetensors) and config, and the GPT-2 tokenizer files, written offline from the vocab we ship.
 
     python export_hf.py --ckpt out/demo --out_dir out/demo-hf
     lm_eval --model hf --model_args pretrained=out/demo-hf --tasks hellaswag     # EleutherAI's harness
 
 The folder loads with AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained, offline. Our
-embedding is padded to 50304 rows for fast matmuls; the export keeps the rows the tokenizer can produce: 50257
-(GPT-2's vocab) for a base model, 50264 for a midtrained one, whose tokenizer also gets the chat special tokens
-and a chat template. The logits of the kept ids are ours, which the export checks before it finishes.
+embedding is padded to 50304 rows for fast matmuls; the export keeps the rows the tokenizer can produce:
+50257 (GPT-2's vocab) for a base model, 50264 for a midtrained one, whose tokenizer also gets the chat
+special tokens and a chat template. The logits of the kept ids are ours, which the export checks before it
+finishes.
 """
 
 import argparse
@@ -145,8 +146,8 @@ def main(argv=None):
         if not isinstance(e, OSError) and "I/O error" not in str(e):
             raise
         shutil.rmtree(tmp_dir, ignore_errors=True)
-        cause = e.strerror if isinstance(e,
-                                         OSError) else str(e).split("I/O error: ")[-1].split(" (os error")[0]
+        # safetensors says "... I/O error: No space left on device (os error 28)"
+        cause = e.strerror if isinstance(e, OSError) else str(e).split("I/O error: ")[-1].split(" (os error")[0]
         die(f"cannot write the export into {tmp_dir} ({cause}); free space or give another --out_dir, then run it again")
 
     # check: the folder as transformers loads it gives our tokens and our logits
@@ -288,8 +289,7 @@ class CausalSelfAttention(nn.Module):
                 v = torch.cat([past_v, v], dim=2)
             kv_cache.kv[self] = (k, v)
         # Causal, unless the T new tokens come after cached ones: a cache is filled with the whole prompt
-        # first (causal) and then a token at a time, which sees every key. No mask lets SDPA run flash
-        # attention.
+        # first (causal), then a token at a time, which sees every key. Unmasked, SDPA can use flash attention.
         y = F.scaled_dot_product_attention(q, k, v, is_causal=k.size(2) == T)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # the heads side by side again
         return self.c_proj(y)

@@ -153,8 +153,8 @@ def score_hellaswag(model, rendered, device, n_vocab, autocast_ctx=nullcontext()
 
 def evaluate_hellaswag(model, examples, enc, device, batch_size=8, autocast_ctx=nullcontext(),
                        split_ranks=True):
-    """acc and acc_norm over the examples, split across ranks (FSDP ranks, which forward in lockstep, each
-    score all); returns (correct, correct_norm, count) summed."""
+    """(correct, correct_norm, count) over the examples, summed over the ranks: acc's and acc_norm's counts. The
+    examples are split across the ranks, but FSDP ranks, which forward in lockstep, each score all."""
     n_vocab = min(enc.n_vocab, model.config.vocab_size)
     max_len = model.config.block_size
     if split_ranks:
@@ -356,8 +356,7 @@ class CausalSelfAttention(nn.Module):
                 v = torch.cat([past_v, v], dim=2)
             kv_cache.kv[self] = (k, v)
         # Causal, unless the T new tokens come after cached ones: a cache is filled with the whole prompt
-        # first (causal) and then a token at a time, which sees every key. No mask lets SDPA run flash
-        # attention.
+        # first (causal), then a token at a time, which sees every key. Unmasked, SDPA can use flash attention.
         y = F.scaled_dot_product_attention(q, k, v, is_causal=k.size(2) == T)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # the heads side by side again
         return self.c_proj(y)
@@ -493,8 +492,7 @@ def init_distributed(device="auto"):
     gloo elsewhere), one GPU a process."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    # torch.cuda.set_device needs a GPU's index ("cuda" alone names none): the first GPU, or under torchrun the
-    # rank's own
+    # torch.cuda.set_device needs an index ("cuda" names none): the first GPU, or under torchrun the rank's own
     if device == "cuda" or (device.startswith("cuda") and world_size > 1):
         device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}"
     try:  # a device this machine lacks, or a name torch does not take, fails here
@@ -549,8 +547,7 @@ def exit_on_out_of_memory(main):
         if not out_of_memory:
             raise
         memory = "GPU" if isinstance(e, torch.OutOfMemoryError) or "CUDA" in str(e) else "CPU"
-    # Under torchrun the other ranks wait in a collective that will not come: leave at once (torchrun ends
-    # them).
+    # Under torchrun the other ranks wait in a collective that will not come: leave now, torchrun ends them.
     if dist.is_initialized():
         print(f"error: out of {memory} memory: {memory_advice}", file=sys.stderr, flush=True)
         sys.stdout.flush()

@@ -356,22 +356,20 @@ def prepare_out_dir(path, flag):
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
-    # EAGAIN, EACCES: held; before the .tmp files go, a live run's save
-    except (BlockingIOError, PermissionError):
+    except (BlockingIOError, PermissionError):  # EAGAIN, EACCES: another process holds the lock
         holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a run that is starting"
         die(f"{flag} {path} is in use by a running run ({holder}); wait for it to end or stop it, or give "
             f"another {flag}")
     except OSError as e:  # ENOLCK & co: some network file systems
         print(f"{flag} {path}: this file system cannot lock files ({e.strerror}); a second run into it is not "
               f"refused", file=sys.stderr)
+    # Only now, with the lock held, can no live run be saving here: the .tmp files are a killed save's.
     stale = sorted(glob.glob(os.path.join(path, "*.tmp")))
     for f in stale:
         os.remove(f)
     if stale:
         print(f"removed {len(stale)} stale temp file(s) of a killed save from {path}: "
               f"{', '.join(os.path.basename(f) for f in stale)}")
-
-
 # ---- end shared: out_dir ----
 
 

@@ -7,12 +7,9 @@ Laptop / CPU:   python prepare_fineweb.py --demo && python train_gpt2.py --demo
 
 The defaults are build-nanogpt's GPT-2 124M run on 10B tokens of FineWeb-Edu.
 
-The file reads top-down: the flags, the model, the data loader, the schedule, one optimizer step, then main()
-with the training loop. After main(), under one banner, comes the code that main() and its loop call, in about
-the order they call it: devices, the training setup and optimizers, out-of-memory advice, the out_dir,
-checkpoints (loading, then their life in a run: save, prune, resume), the log, stop signals, HellaSwag, samples,
-the tokenizer, files and flag types. Blocks marked "shared" are copied into the other scripts by
-tests/sync_shared.py.
+The file reads top-down: the flags, the model and its training loss, the data loader, the schedule, one
+optimizer step, then main() with the training loop. After main(), under one banner, comes the code that main()
+and its loop call; the banner lists it.
 """
 
 import argparse
@@ -211,8 +208,7 @@ class CausalSelfAttention(nn.Module):
                 v = torch.cat([past_v, v], dim=2)
             kv_cache.kv[self] = (k, v)
         # Causal, unless the T new tokens come after cached ones: a cache is filled with the whole prompt
-        # first (causal) and then a token at a time, which sees every key. No mask lets SDPA run flash
-        # attention.
+        # first (causal), then a token at a time, which sees every key. Unmasked, SDPA can use flash attention.
         y = F.scaled_dot_product_attention(q, k, v, is_causal=k.size(2) == T)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # the heads side by side again
         return self.c_proj(y)
@@ -383,9 +379,8 @@ class ShardLoader:
         self.seek(0, 0, 0, 0)
 
     def order_of(self, n, *key):
-        """range(n) in file order (build-nanogpt's), or a permutation seeded by (seed, *key). Each epoch
-        reads every window once, and (epoch, shard, window, micro-batch) is the whole state, saved in
-        checkpoints."""
+        """range(n) in file order (build-nanogpt's), or a permutation seeded by (seed, *key): each epoch reads
+        every window once."""
         if self.order == "sequential":
             return range(n)
         return np.random.default_rng((self.seed, *key)).permutation(n)
@@ -396,9 +391,11 @@ class ShardLoader:
         self.epoch, self.shard, self.window, self.micro = epoch, shard, window, micro
         self.shards_in_order = self.order_of(len(self.shards), epoch)
         shard_index = self.shards_in_order[shard]
+        # the shard's windows get their own key, (epoch, 1 + its index), apart from the shards' order, (epoch,)
         self.windows_in_order = self.order_of(self.shard_windows[shard_index], epoch, 1 + shard_index)
 
     def state(self):
+        """(epoch, shard, window, micro-batch) is the whole position: the order follows from the seed."""
         return {key: getattr(self, key) for key in ("epoch", "shard", "window", "micro", *DATA_KEYS)}
 
     def load_state(self, state):
@@ -417,12 +414,13 @@ class ShardLoader:
                 self.seek(self.epoch, self.shard + 1, 0, 0)
             else:
                 self.seek(self.epoch + 1, 0, 0, 0)
-        shard = self.shards[self.shards_in_order[self.shard]]
-        window = self.windows_in_order[self.window]
+        shard_tokens = self.shards[self.shards_in_order[self.shard]]
+        window_in_shard = self.windows_in_order[self.window]
         # the micro-batch's place in the shard, and this rank's place in the micro-batch
-        micro_batch = window * self.micro_batches_per_window + self.micro
+        micro_batch = window_in_shard * self.micro_batches_per_window + self.micro
         start = (micro_batch * self.world_size + self.rank) * self.B * self.T
-        buf = torch.from_numpy(shard[start: start + self.B * self.T + 1].astype(np.int64))
+        tokens = shard_tokens[start: start + self.B * self.T + 1]
+        buf = torch.from_numpy(tokens.astype(np.int64))
         self.micro += 1
         if self.micro == self.micro_batches_per_window:
             self.window += 1
@@ -443,8 +441,9 @@ def lr_multiplier(step, args):
     """Linear warm-up, then cosine decay to min_lr_ratio at max_steps."""
     if step < args.warmup_steps:
         return (step + 1) / args.warmup_steps
-    progress = min(1.0, (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps))
-    return args.min_lr_ratio + 0.5 * (1.0 + math.cos(math.pi * progress)) * (1.0 - args.min_lr_ratio)
+    decay_ratio = min(1.0, (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps))
+    coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))  # from 1 down to 0
+    return args.min_lr_ratio + coeff * (1.0 - args.min_lr_ratio)
 
 
 # ---- shared: step ----
@@ -545,8 +544,9 @@ def main(argv=None):
     if val_steps < val_steps_asked:
         print0(f"--val_tokens {args.val_tokens:,} is more than the val shards hold: each eval reads them once, "
                f"{val_tokens:,} tokens")
-    hellaswag_examples = load_hellaswag(args.hellaswag_file,
-                                        args.hellaswag_limit) if args.hellaswag_file else None
+    hellaswag_examples = None
+    if args.hellaswag_file:
+        hellaswag_examples = load_hellaswag(args.hellaswag_file, args.hellaswag_limit)
     enc = get_tokenizer()
 
     # ---- the training setup
@@ -586,8 +586,8 @@ def main(argv=None):
         for i in progress(range(val_steps), "val loss"):
             # a stop signal is asked about every 16 batches: a preempted job saves within seconds
             if i % 16 == 15:
-                (stop,) = sync_ranks(device)
-                if stop:
+                (stop_now,) = sync_ranks(device)
+                if stop_now:
                     return None
             x, y = val_loader.next_batch()
             with autocast_ctx:
@@ -650,7 +650,7 @@ def main(argv=None):
         # once in a while save a checkpoint (its life: the "checkpoint_life" block)
         if step > start_step and (step % args.save_every == 0 or last_step):
             save_checkpoint(step)
-        if last_step:
+        if last_step:  # the last step only evaluates and saves: it does not train
             prune_checkpoints(args.out_dir, step, args.keep_checkpoints)
             break
 
@@ -659,12 +659,13 @@ def main(argv=None):
         set_schedule(optimizers, lr_multiplier(step, args), step, args)
         loss, grad_norm = train_step(model, optimizers, scaler, train_loader.next_batch, grad_accum_steps,
                                      args.total_batch_size, args.grad_clip, autocast_ctx)
-        loss, grad_norm, stop = sync_ranks(device, loss, grad_norm.float())  # the step is done
+        # the step's one host sync: the means over the ranks, and whether any rank was asked to stop
+        loss, grad_norm, stop = sync_ranks(device, loss, grad_norm.float())
         seconds = time.perf_counter() - t0
         lr = optimizers[0].param_groups[0]["lr"]  # the lr AdamW stepped with
         saved_at_step = step > start_step and step % args.save_every == 0
-        # Diverged? (float16's grad scaler skips a step whose gradients overflow: an infinite norm is no
-        # divergence there.)
+        # Stop on a non-finite loss. float16's grad scaler skips a step whose gradients overflow, so there an
+        # infinite gradient norm alone is no divergence.
         if not math.isfinite(loss) or (not scaler.is_enabled() and not math.isfinite(grad_norm)):
             stop_diverged(step, f"loss {loss}, gradient norm {grad_norm}", lr, args.out_dir, saved_at_step)
         if saved_at_step:
@@ -681,10 +682,11 @@ def main(argv=None):
 
 
 # -----------------------------------------------------------------------------
-# Everything below supports main() and its loop, in about the order they call it: devices, the training setup
-# and optimizers, out-of-memory advice, the out_dir, checkpoints and their life in a run, the log, stop
-# signals, evals and samples, the tokenizer, files and flag types. Blocks marked "shared" are copied from
-# here into the other scripts by tests/sync_shared.py.
+# Everything below supports main() and its loop, in about the order they call it: devices; the training setup
+# and optimizers; out-of-memory advice; the out_dir; checkpoints (loading, then their life in a run: resume,
+# save, prune, divergence) and OpenAI's weights; the log; stop signals; HellaSwag and samples; the tokenizer,
+# progress bars, files and flag types. Blocks marked "shared" are copied from here into the other scripts by
+# tests/sync_shared.py.
 
 # ---- shared: distributed ----
 def init_distributed(device="auto"):
@@ -692,8 +694,7 @@ def init_distributed(device="auto"):
     gloo elsewhere), one GPU a process."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    # torch.cuda.set_device needs a GPU's index ("cuda" alone names none): the first GPU, or under torchrun the
-    # rank's own
+    # torch.cuda.set_device needs an index ("cuda" names none): the first GPU, or under torchrun the rank's own
     if device == "cuda" or (device.startswith("cuda") and world_size > 1):
         device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}"
     try:  # a device this machine lacks, or a name torch does not take, fails here
@@ -890,8 +891,7 @@ def exit_on_out_of_memory(main):
         if not out_of_memory:
             raise
         memory = "GPU" if isinstance(e, torch.OutOfMemoryError) or "CUDA" in str(e) else "CPU"
-    # Under torchrun the other ranks wait in a collective that will not come: leave at once (torchrun ends
-    # them).
+    # Under torchrun the other ranks wait in a collective that will not come: leave now, torchrun ends them.
     if dist.is_initialized():
         print(f"error: out of {memory} memory: {memory_advice}", file=sys.stderr, flush=True)
         sys.stdout.flush()
@@ -917,22 +917,20 @@ def prepare_out_dir(path, flag):
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
-    # EAGAIN, EACCES: held; before the .tmp files go, a live run's save
-    except (BlockingIOError, PermissionError):
+    except (BlockingIOError, PermissionError):  # EAGAIN, EACCES: another process holds the lock
         holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a run that is starting"
         die(f"{flag} {path} is in use by a running run ({holder}); wait for it to end or stop it, or give "
             f"another {flag}")
     except OSError as e:  # ENOLCK & co: some network file systems
         print(f"{flag} {path}: this file system cannot lock files ({e.strerror}); a second run into it is not "
               f"refused", file=sys.stderr)
+    # Only now, with the lock held, can no live run be saving here: the .tmp files are a killed save's.
     stale = sorted(glob.glob(os.path.join(path, "*.tmp")))
     for f in stale:
         os.remove(f)
     if stale:
         print(f"removed {len(stale)} stale temp file(s) of a killed save from {path}: "
               f"{', '.join(os.path.basename(f) for f in stale)}")
-
-
 # ---- end shared: out_dir ----
 
 
@@ -970,53 +968,6 @@ def model_from_checkpoint(checkpoint):
 # ---- end shared: checkpoint ----
 
 
-# ---- shared: pretrained ----
-def gpt_from_pretrained(model_type):
-    """OpenAI's GPT-2 through transformers, from the Hugging Face cache, or the hub where it answers."""
-    try:
-        from transformers import GPT2LMHeadModel
-        hf_model = GPT2LMHeadModel.from_pretrained(model_type, local_files_only=not hub_reachable())
-    except ImportError:
-        die(f"loading {model_type} needs transformers: pip install transformers")
-    except OSError as e:
-        die(f"OpenAI's {model_type} weights are not in the Hugging Face cache and the hub cannot be reached "
-            f"({str(e).splitlines()[0]}); go online once to download them")
-    model = GPT(GPTConfig(**MODEL_SIZES[model_type]))
-    load_hf_state_dict(model, hf_model.state_dict())
-    return model
-
-
-def load_hf_state_dict(model, hf_state):
-    """Copy weights from transformers' GPT2LMHeadModel, whose Conv1D layers store weights transposed."""
-    state = model.state_dict()
-    with torch.no_grad():
-        for name, value in hf_state.items():
-            if name.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers, not weights
-                continue
-            value = value.t() if name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")) else value
-            state[name][: value.size(0)].copy_(value)
-            # the padding rows of the embedding start at the mean embedding: they take almost no probability
-            state[name][value.size(0):].copy_(value.mean(0))
-# ---- end shared: pretrained ----
-
-
-# ---- shared: hub ----
-def hub_reachable():
-    """Whether the Hugging Face hub (HF_ENDPOINT where a mirror is set) answers a quick request, through the
-    proxy where one is set: offline, the libraries retry it for a while, a line on stderr each time, before
-    they fail."""
-    import urllib.error
-    import urllib.request
-    try:
-        urllib.request.urlopen(os.environ.get("HF_ENDPOINT", "https://huggingface.co"), timeout=3).close()
-    except urllib.error.HTTPError:  # an error status is an answer
-        pass
-    except Exception:  # no name, no route, a timeout, no HTTP; or an HF_ENDPOINT that is not a URL
-        return False
-    return True
-# ---- end shared: hub ----
-
-
 # ---- shared: checkpoint_life ----
 # A checkpoint's life in a run. The loop saves one every --save_every steps and at the last step, of the
 # weights that step starts from, and keeps the newest --keep_checkpoints. The older ones are pruned only once
@@ -1036,8 +987,8 @@ def resume_args(parser, argv, fixed):
     for key in fixed:  # the model's shape as built: args hold None where --model gave it
         if key in checkpoint["config"]:
             saved[key] = checkpoint["config"][key]
-    # --fsdp is not taken from the checkpoint: no flag turns it off, so each launch says how it shards (a
-    # checkpoint of either loads)
+    # --fsdp is not taken from the checkpoint (no flag turns it off): each launch says how it shards, and a
+    # checkpoint of either kind loads. It is still reported below when it changed.
     not_restored = ("resume", "out_dir", "demo", "fsdp")
     parser.set_defaults(**{key: value for key, value in saved.items() if key not in not_restored})
     args = parser.parse_args(argv)
@@ -1133,6 +1084,53 @@ def stop_diverged(step, what, lr, out_dir, saved_at_step):
 # ---- end shared: checkpoint_life ----
 
 
+# ---- shared: pretrained ----
+def gpt_from_pretrained(model_type):
+    """OpenAI's GPT-2 through transformers, from the Hugging Face cache, or the hub where it answers."""
+    try:
+        from transformers import GPT2LMHeadModel
+        hf_model = GPT2LMHeadModel.from_pretrained(model_type, local_files_only=not hub_reachable())
+    except ImportError:
+        die(f"loading {model_type} needs transformers: pip install transformers")
+    except OSError as e:
+        die(f"OpenAI's {model_type} weights are not in the Hugging Face cache and the hub cannot be reached "
+            f"({str(e).splitlines()[0]}); go online once to download them")
+    model = GPT(GPTConfig(**MODEL_SIZES[model_type]))
+    load_hf_state_dict(model, hf_model.state_dict())
+    return model
+
+
+def load_hf_state_dict(model, hf_state):
+    """Copy weights from transformers' GPT2LMHeadModel, whose Conv1D layers store weights transposed."""
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, value in hf_state.items():
+            if name.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers, not weights
+                continue
+            value = value.t() if name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")) else value
+            state[name][: value.size(0)].copy_(value)
+            # the padding rows of the embedding start at the mean embedding: they take almost no probability
+            state[name][value.size(0):].copy_(value.mean(0))
+# ---- end shared: pretrained ----
+
+
+# ---- shared: hub ----
+def hub_reachable():
+    """Whether the Hugging Face hub (HF_ENDPOINT where a mirror is set) answers a quick request, through the
+    proxy where one is set: offline, the libraries retry it for a while, a line on stderr each time, before
+    they fail."""
+    import urllib.error
+    import urllib.request
+    try:
+        urllib.request.urlopen(os.environ.get("HF_ENDPOINT", "https://huggingface.co"), timeout=3).close()
+    except urllib.error.HTTPError:  # an error status is an answer
+        pass
+    except Exception:  # no name, no route, a timeout, no HTTP; or an HF_ENDPOINT that is not a URL
+        return False
+    return True
+# ---- end shared: hub ----
+
+
 # ---- shared: logging ----
 def open_run_log(args, start_step, wandb_run_id):
     """Rank 0's out_dir/log.jsonl (on resume, minus records past the checkpoint) and wandb run (continued on
@@ -1184,6 +1182,18 @@ def log_record(line):
     return record if isinstance(record, dict) else None
 
 
+# Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, by the exact name that
+# torch.cuda.get_device_name reports: a substring would give an H100 PCIe the SXM peak, an L40 the L4's.
+PEAK_BF16_FLOPS = {
+    "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
+    "NVIDIA H200": 989e12, "NVIDIA H200 NVL": 835e12, "NVIDIA GH200 480GB": 989e12,
+    "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A100-SXM4-40GB": 312e12, "NVIDIA A100-PCIE-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
+    "NVIDIA L40S": 362e12, "NVIDIA L40": 181e12, "NVIDIA L4": 121e12, "NVIDIA A10G": 70e12, "NVIDIA A10": 125e12,
+    "NVIDIA GeForce RTX 4090": 165e12, "NVIDIA GeForce RTX 3090": 71e12,
+}
+
+
 class StepLog:
     """The step lines and records: a step's loss, lr, gradient norm, speed, peak memory, MFU and ETA."""
 
@@ -1211,18 +1221,6 @@ class StepLog:
             record["mfu"] = self.flops_per_step / seconds / (self.peak_flops * world_size)
             line += f" | MFU {record['mfu'] * 100:.1f}%"
         return record, line
-
-
-# Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, by the exact name that
-# torch.cuda.get_device_name reports: a substring would give an H100 PCIe the SXM peak, an L40 the L4's.
-PEAK_BF16_FLOPS = {
-    "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
-    "NVIDIA H200": 989e12, "NVIDIA H200 NVL": 835e12, "NVIDIA GH200 480GB": 989e12,
-    "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A100-SXM4-40GB": 312e12, "NVIDIA A100-PCIE-40GB": 312e12,
-    "NVIDIA A100 80GB PCIe": 312e12,
-    "NVIDIA L40S": 362e12, "NVIDIA L40": 181e12, "NVIDIA L4": 121e12, "NVIDIA A10G": 70e12, "NVIDIA A10": 125e12,
-    "NVIDIA GeForce RTX 4090": 165e12, "NVIDIA GeForce RTX 3090": 71e12,
-}
 
 
 def flops_per_token(model, seq_len):
@@ -1257,7 +1255,8 @@ def sync_ranks(device, *values):
     values = torch.stack([*values, torch.tensor(float(stop_requested), device=device)])
     if world_size > 1:
         dist.all_reduce(values)
-    *means, stop = (values / world_size).tolist()  # a host sync: a step's only one
+    # a host sync, a step's only one; any rank's stop flag of 1 leaves the mean above 0
+    *means, stop = (values / world_size).tolist()
     return *means, stop > 0
 # ---- end shared: signals ----
 
@@ -1316,8 +1315,8 @@ def score_hellaswag(model, rendered, device, n_vocab, autocast_ctx=nullcontext()
 
 def evaluate_hellaswag(model, examples, enc, device, batch_size=8, autocast_ctx=nullcontext(),
                        split_ranks=True):
-    """acc and acc_norm over the examples, split across ranks (FSDP ranks, which forward in lockstep, each
-    score all); returns (correct, correct_norm, count) summed."""
+    """(correct, correct_norm, count) over the examples, summed over the ranks: acc's and acc_norm's counts. The
+    examples are split across the ranks, but FSDP ranks, which forward in lockstep, each score all."""
     n_vocab = min(enc.n_vocab, model.config.vocab_size)
     max_len = model.config.block_size
     if split_ranks:
