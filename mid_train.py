@@ -177,7 +177,8 @@ def get_args(argv=None):
         args = resume_args(p, argv, fixed=("init_ckpt", "init_from", "optimizer", "seed", "val_fraction"))
     if args.demo and args.data == DEMO_PRESET["data"] and not os.path.exists("data/demo/chat.jsonl"):
         die("--demo trains on data/demo/chat.jsonl, which is missing: run python prepare_fineweb.py --demo first")
-    demo_start_missing = args.init_ckpt and not glob.glob(os.path.join(args.init_ckpt, CHECKPOINT_GLOB))
+    demo_start_missing = (args.init_ckpt and not os.path.isfile(args.init_ckpt)
+                          and not glob.glob(os.path.join(args.init_ckpt, CHECKPOINT_GLOB)))
     if args.demo and not args.resume and demo_start_missing:
         die(f"--demo starts from {args.init_ckpt}, which holds no checkpoint: run python train_gpt2.py --demo first")
     return args
@@ -442,13 +443,15 @@ def read_mmlu_csv(path):
         line_no = data[:e.start].count(b"\n") + 1
         die(f"{path}:{line_no} is not UTF-8 text; convert the file to UTF-8")
     rows = list(csv.reader(io.StringIO(text, newline="")))
-    if rows and rows[0][0] == "question":
+    first_row_no = 1
+    if rows and rows[0][:1] == ["question"]:  # the header
         rows = rows[1:]
-    for line_no, row in enumerate(rows, 2):
+        first_row_no = 2
+    for row_no, row in enumerate(rows, first_row_no):
         if len(row) != 6 or row[5] not in list("ABCD0123"):
-            die(f"{path}: row {line_no} is not question, 4 choices and the answer (0-3 or A-D)")
+            die(f"{path}: row {row_no} is not question, 4 choices and the answer (0-3 or A-D)")
         answer = "ABCD0123".index(row[5]) % 4  # A-D or 0-3
-        yield dict(question=row[0], choices=row[1:5], answer=answer), f"{path} row {line_no}"
+        yield dict(question=row[0], choices=row[1:5], answer=answer), f"{path} row {row_no}"
 
 
 def load_source(kind, path):
@@ -670,7 +673,7 @@ def main(argv=None):
         checkpoint, _ = load_checkpoint(args.resume_checkpoint)  # the one get_args found
         raw_model = model_from_checkpoint(checkpoint)
     elif args.init_ckpt:
-        base_checkpoint, _ = load_checkpoint(args.init_ckpt)
+        base_checkpoint, _ = load_checkpoint(args.init_ckpt, mmap=True)  # its optimizer state is never read
         raw_model = model_from_checkpoint(base_checkpoint)
     else:
         raw_model = gpt_from_pretrained(args.init_from)
@@ -1397,7 +1400,8 @@ def peak_memory_gib(device):
     if device.startswith("cuda"):
         return torch.cuda.max_memory_allocated(device) / 2**30
     import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # the process's peak RSS (Linux: KiB)
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # the process's peak: KiB, on macOS bytes
+    return peak_rss / (2**30 if sys.platform == "darwin" else 2**20)
 # ---- end shared: logging ----
 
 

@@ -1233,7 +1233,8 @@ def peak_memory_gib(device):
     if device.startswith("cuda"):
         return torch.cuda.max_memory_allocated(device) / 2**30
     import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # the process's peak RSS (Linux: KiB)
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # the process's peak: KiB, on macOS bytes
+    return peak_rss / (2**30 if sys.platform == "darwin" else 2**20)
 # ---- end shared: logging ----
 
 

@@ -84,6 +84,8 @@ CASES = [
          expect="--out_dir"),
     case("mid-jsonl-not-utf8", "mid_train.py", *MID, "--data", "chat:{tmp}/latin1.jsonl", expect="latin1.jsonl:2"),
     case("mid-mmlu-csv-not-utf8", "mid_train.py", *MID, "--data", "mmlu:{tmp}/latin1.csv", expect="latin1.csv:3"),
+    case("mid-mmlu-csv-blank-first-row", "mid_train.py", *MID, "--data", "mmlu:{tmp}/blank_first.csv",
+         expect="blank_first.csv: row 1 is not question"),
     case("prepare-jsonl-not-utf8", "prepare_fineweb.py", "--input", "{tmp}/latin1_text.jsonl", "--out_dir", "{tmp}/p1",
          expect="latin1_text.jsonl:2"),
     case("hellaswag-not-utf8", "hellaswag.py", "--ckpt", "x", "--data_file", "{tmp}/hs_latin1.jsonl",
@@ -180,6 +182,8 @@ def make_files(tmp):
         f.write(json.dumps({"messages": hi}).encode() + b"\n" + json.dumps({"messages": hi}).encode()[:-5] + b"caf\xe9\"}]}\n")
     with open(f"{tmp}/latin1.csv", "wb") as f:
         f.write(b"question,A,B,C,D,answer\n1+1?,1,2,3,4,B\ncaf\xe9?,a,b,c,d,A\n")
+    with open(f"{tmp}/blank_first.csv", "wb") as f:  # headerless, as hendrycks' files, with an empty first line
+        f.write(b"\n1+1?,1,2,3,4,B\n")
     with open(f"{tmp}/latin1_text.jsonl", "wb") as f:
         f.write(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
     with open(f"{tmp}/latin1.txt", "wb") as f:
