@@ -432,7 +432,7 @@ class GPT(nn.Module):
             return self.lm_head(x), None
         # the loss without the whole (B * T, vocab) logits: ChunkedCrossEntropy, in the "loss" block below
         loss = ChunkedCrossEntropy.apply(x.flatten(0, 1), self.lm_head.weight, targets.flatten(),
-                                         torch.is_grad_enabled())
+                                         torch.is_grad_enabled(), torch.compiler.is_compiling())
         if reduction == "mean":
             loss = loss / (targets >= 0).sum()
         return None, loss

@@ -32,6 +32,7 @@ keeps them equal).
 import argparse
 import bisect
 import csv
+import functools
 import glob
 import io
 import itertools
@@ -310,7 +311,7 @@ class GPT(nn.Module):
             return self.lm_head(x), None
         # the loss without the whole (B * T, vocab) logits: ChunkedCrossEntropy, in the "loss" block below
         loss = ChunkedCrossEntropy.apply(x.flatten(0, 1), self.lm_head.weight, targets.flatten(),
-                                         torch.is_grad_enabled())
+                                         torch.is_grad_enabled(), torch.compiler.is_compiling())
         if reduction == "mean":
             loss = loss / (targets >= 0).sum()
         return None, loss
@@ -318,39 +319,87 @@ class GPT(nn.Module):
 
 
 # ---- shared: loss ----
-LOSS_CHUNK = 1024  # rows of logits at a time in the training loss, 206 MB of them in fp32: bench/head_loss.py --chunks
+# rows of logits at a time in the training loss, 206 MB of them in fp32: bench/head_loss.py --chunks
+LOSS_CHUNK = 1024
+
+
+def chunk_loss(x, weight, targets, grad_weight, training):
+    """One chunk's summed cross-entropy over its targets (-1: ignored). When training, also its gradient for x,
+    returned, and for the weight, added to grad_weight (fp32) in place."""
+    logits = (x @ weight.T).float()
+    learned = targets >= 0
+    safe_targets = targets.clamp(min=0)  # an ignored target's -1 is no index
+    target_logits = logits.gather(1, safe_targets)
+    row_max = logits.amax(dim=1, keepdim=True)
+    probs = logits.sub_(row_max).exp_()  # in place (no new chunk-sized tensor), and unnormalized
+    sum_exp = probs.sum(dim=1, keepdim=True)
+    log_sum_exp = row_max + sum_exp.log()
+    loss = ((log_sum_exp - target_logits) * learned).sum()
+    if not training:
+        return loss, None
+    # d loss / d logits = softmax - one-hot, 0 where the target is ignored
+    grad = probs.mul_(learned / sum_exp)
+    grad.scatter_add_(1, safe_targets, -learned.float())
+    grad = grad.to(x.dtype)
+    grad_weight += grad.T @ x  # one chunk's partial (in x's dtype) at a time, summed in fp32
+    return loss, grad @ weight
+
+
+# torch.compile once, at the first call that asks for it: importing torch's compiler takes seconds
+compile_once = functools.cache(torch.compile)
+
+
+# An operator of its own (the script's name is its namespace, so that two scripts can be imported together): to
+# torch.compile it is one opaque step, so the chunk loop is never unrolled into the model's graph. Unrolled, each
+# chunk compiled into kernels of its own, and Inductor kept every chunk's partial weight gradient to the end.
+@torch.library.custom_op(f"{__name__}::chunked_loss", mutates_args=())
+def chunked_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, training: bool,
+                 compiled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The summed loss over the chunks, and when training its gradients for x and the weight. In a compiled
+    model (compiled) the chunk's body is compiled too, once for its shape and once more for a short last
+    chunk."""
+    loss = torch.zeros((), device=x.device)
+    grad_x = torch.empty_like(x)
+    grad_weight = torch.zeros_like(weight, dtype=torch.float32)
+    # The matmuls run in autocast's dtype, as the plain head's do. Grad mode is off in here, which bypasses
+    # autocast's cache of cast weights: x and the weight are cast once, not in every chunk's every matmul.
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        x = x.to(torch.get_autocast_dtype(device_type))
+        weight = weight.to(torch.get_autocast_dtype(device_type))
+    body = compile_once(chunk_loss, dynamic=False) if compiled else chunk_loss
+    for i in range(0, len(x), LOSS_CHUNK):
+        chunk = slice(i, i + LOSS_CHUNK)
+        chunk_sum, grad_x_chunk = body(x[chunk], weight, targets[chunk, None], grad_weight, training)
+        loss += chunk_sum
+        if training:
+            grad_x[chunk] = grad_x_chunk
+    return loss, grad_x, grad_weight
+
+
+@chunked_loss.register_fake  # the outputs' shapes and dtypes, all that torch.compile needs to know of it
+def _(x, weight, targets, training, compiled):
+    return x.new_empty((), dtype=torch.float32), torch.empty_like(x), torch.empty_like(weight, dtype=torch.float32)
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
-    """The head's summed cross-entropy over the targets (-1: ignored), for a chunk of rows of x @ weight.T at a time,
-    so that the whole (rows, vocab) logits never exist at once. When training, the gradients (softmax - one-hot, back
-    through the matmul) are taken here while each chunk's logits are at hand, and backward only scales them: this is
-    liger-kernel's fused linear cross-entropy, in plain PyTorch so that it runs wherever torch does."""
+    """The head's summed cross-entropy over the targets (-1: ignored), for a chunk of rows of x @ weight.T at a
+    time, so that the whole (rows, vocab) logits never exist at once. When training, the gradients (softmax
+    minus one-hot, back through the matmul) are taken in the forward while each chunk's logits are at hand, and
+    backward only scales them: this is liger-kernel's fused linear cross-entropy, in plain PyTorch so that it
+    runs wherever torch does."""
 
     @staticmethod
-    def forward(ctx, x, weight, targets, training):
-        loss, grad_x = torch.zeros((), device=x.device), torch.empty_like(x)
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32)  # summed over the chunks in fp32
-        for i in range(0, len(x), LOSS_CHUNK):
-            x_chunk, y = x[i: i + LOSS_CHUNK], targets[i: i + LOSS_CHUNK, None]
-            logits = (x_chunk @ weight.T).float()  # the matmul in autocast's dtype, as the plain head's
-            learned, target_logits, top = y >= 0, logits.gather(1, y.clamp(min=0)), logits.amax(dim=1,
-                                                                keepdim=True)
-            probs = logits.sub_(top).exp_()  # in place (no new chunk-sized tensor), and unnormalized
-            total = probs.sum(dim=1, keepdim=True)
-            loss += ((top + total.log() - target_logits) * learned).sum()  # log-sum-exp minus the target's logit
-            if training:  # d loss / d logits = softmax - one-hot, 0 where the target is ignored
-                grad = probs.mul_(learned / total).scatter_add_(1, y.clamp(min=0),
-                                  -learned.float()).to(x.dtype)
-                grad_x[i: i + LOSS_CHUNK] = grad @ weight
-                grad_weight += grad.T @ x_chunk
+    def forward(ctx, x, weight, targets, training, compiled):
+        loss, grad_x, grad_weight = chunked_loss(x, weight, targets, training, compiled)
         ctx.save_for_backward(grad_x, grad_weight)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         grad_x, grad_weight = ctx.saved_tensors
-        return grad_x.mul_(grad_loss), grad_weight.mul_(grad_loss), None, None  # in place: backward runs once
+        # in place: backward runs once
+        return grad_x.mul_(grad_loss), grad_weight.mul_(grad_loss), None, None, None
 # ---- end shared: loss ----
 
 
