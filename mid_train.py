@@ -353,20 +353,17 @@ compile_once = functools.cache(torch.compile)
 # torch.compile it is one opaque step, so the chunk loop is never unrolled into the model's graph. Unrolled, each
 # chunk compiled into kernels of its own, and Inductor kept every chunk's partial weight gradient to the end.
 @torch.library.custom_op(f"{__name__}::chunked_loss", mutates_args=())
-def chunked_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, training: bool,
-                 compiled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The summed loss over the chunks, and when training its gradients for x and the weight. In a compiled
-    model (compiled) the chunk's body is compiled too, once for its shape and once more for a short last
-    chunk."""
+def chunked_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype,
+                 training: bool, compiled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The summed loss over the chunks, their matmuls in dtype, and when training its gradients for x and the
+    weight. In a compiled model (compiled) the chunk's body is compiled too, once for its shape (once more for a
+    short last chunk)."""
     loss = torch.zeros((), device=x.device)
     grad_x = torch.empty_like(x)
     grad_weight = torch.zeros_like(weight, dtype=torch.float32)
-    # The matmuls run in autocast's dtype, as the plain head's do. Grad mode is off in here, which bypasses
-    # autocast's cache of cast weights: x and the weight are cast once, not in every chunk's every matmul.
-    device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        x = x.to(torch.get_autocast_dtype(device_type))
-        weight = weight.to(torch.get_autocast_dtype(device_type))
+    # cast once, not in each chunk's matmuls as autocast would (ChunkedCrossEntropy.forward says why)
+    x = x.to(dtype)
+    weight = weight.to(dtype)
     body = compile_once(chunk_loss, dynamic=False) if compiled else chunk_loss
     for i in range(0, len(x), LOSS_CHUNK):
         chunk = slice(i, i + LOSS_CHUNK)
@@ -378,7 +375,7 @@ def chunked_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, t
 
 
 @chunked_loss.register_fake  # the outputs' shapes and dtypes, all that torch.compile needs to know of it
-def _(x, weight, targets, training, compiled):
+def _(x, weight, targets, dtype, training, compiled):
     return x.new_empty((), dtype=torch.float32), torch.empty_like(x), torch.empty_like(weight, dtype=torch.float32)
 
 
@@ -391,7 +388,12 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, targets, training, compiled):
-        loss, grad_x, grad_weight = chunked_loss(x, weight, targets, training, compiled)
+        # The head's matmuls run in autocast's dtype, as the plain head's do. That dtype is read here, where
+        # torch.compile sees it: a compiled graph runs with autocast off, and the operator inside it too. And
+        # autocast would cast the weight in every chunk's matmuls: its cache of casts is off where grad mode is.
+        device_type = x.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        loss, grad_x, grad_weight = chunked_loss(x, weight, targets, dtype, training, compiled)
         ctx.save_for_backward(grad_x, grad_weight)
         return loss
 

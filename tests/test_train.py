@@ -413,8 +413,9 @@ def test_divergence_stops_at_once_and_keeps_the_good_checkpoints(shards, tmp_pat
 def test_chunked_loss_equals_the_plain_head(case, monkeypatch):
     """The training loss never holds the whole logits: a chunk of rows at a time (here 48 of 2 x 64, so the last chunk
     is short), its gradients taken in the forward. Loss and gradients equal those of the plain head (logits, then
-    cross_entropy) in the head (tied with the embedding), the final norm and the last block, ignored targets included;
-    compiled, the chunk's body is compiled on its own (twice: the short last chunk has a shape of its own)."""
+    cross_entropy) in the head (tied with the embedding), the final norm and the last block, ignored targets included,
+    and its matmuls run in the same dtype; compiled, the chunk's body is compiled on its own (twice: the short last
+    chunk has a shape of its own)."""
     import torch.nn.functional as F
     import train_gpt2
     monkeypatch.setattr(train_gpt2, "LOSS_CHUNK", 48)
@@ -428,9 +429,14 @@ def test_chunked_loss_equals_the_plain_head(case, monkeypatch):
     with autocast:
         plain = F.cross_entropy(model(x)[0].flatten(0, 1).float(), y.flatten(), ignore_index=-1, reduction="sum")
     expected = torch.autograd.grad(plain, params)
-    with autocast:
+    with autocast, torch.profiler.profile(record_shapes=True) as profile:
         chunked = forward(x, y, reduction="sum")[1]
-    got = torch.autograd.grad(chunked, params)
+        got = torch.autograd.grad(chunked, params)
+    # the head's matmuls (a dimension of 50,304) in autocast's dtype, as the plain head's: compiled too, where the
+    # compiled graph runs with autocast off
+    matmuls = {dtype for e in profile.events() if e.name in ("aten::mm", "aten::addmm")
+               for shape, dtype in zip(e.input_shapes, e.input_dtypes) if 50304 in shape}
+    assert matmuls == {"c10::BFloat16" if "bfloat16" in case else "float"}, matmuls
     tolerance = 2e-2 if "bfloat16" in case else 1e-5
     assert abs(chunked.item() - plain.item()) <= tolerance * plain.item()
     for g, e in zip(got, expected):
