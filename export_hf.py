@@ -363,7 +363,7 @@ class GPT(nn.Module):
             kv_cache.pos += T
         if targets is None:
             return self.lm_head(x), None
-        # the loss without the whole (B * T, vocab) logits: ChunkedCrossEntropy, in the "loss" block below
+        # the loss without the whole (B * T, vocab) logits: ChunkedCrossEntropy, the first block after main()
         loss = ChunkedCrossEntropy.apply(x.flatten(0, 1), self.lm_head.weight, targets.flatten(),
                                          torch.is_grad_enabled(), torch.compiler.is_compiling())
         if reduction == "mean":

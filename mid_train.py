@@ -309,100 +309,13 @@ class GPT(nn.Module):
             kv_cache.pos += T
         if targets is None:
             return self.lm_head(x), None
-        # the loss without the whole (B * T, vocab) logits: ChunkedCrossEntropy, in the "loss" block below
+        # the loss without the whole (B * T, vocab) logits: ChunkedCrossEntropy, the first block after main()
         loss = ChunkedCrossEntropy.apply(x.flatten(0, 1), self.lm_head.weight, targets.flatten(),
                                          torch.is_grad_enabled(), torch.compiler.is_compiling())
         if reduction == "mean":
             loss = loss / (targets >= 0).sum()
         return None, loss
 # ---- end shared: model ----
-
-
-# ---- shared: loss ----
-# rows of logits at a time in the training loss, 206 MB of them in fp32: bench/head_loss.py --chunks
-LOSS_CHUNK = 1024
-
-
-def chunk_loss(x, weight, targets, grad_weight, training):
-    """One chunk's summed cross-entropy over its targets (-1: ignored). When training, also its gradient for x,
-    returned, and for the weight, added to grad_weight (fp32) in place."""
-    logits = (x @ weight.T).float()
-    learned = targets >= 0
-    safe_targets = targets.clamp(min=0)  # an ignored target's -1 is no index
-    target_logits = logits.gather(1, safe_targets)
-    row_max = logits.amax(dim=1, keepdim=True)
-    probs = logits.sub_(row_max).exp_()  # in place (no new chunk-sized tensor), and unnormalized
-    sum_exp = probs.sum(dim=1, keepdim=True)
-    log_sum_exp = row_max + sum_exp.log()
-    loss = ((log_sum_exp - target_logits) * learned).sum()
-    if not training:
-        return loss, None
-    # d loss / d logits = softmax - one-hot, 0 where the target is ignored
-    grad = probs.mul_(learned / sum_exp)
-    grad.scatter_add_(1, safe_targets, -learned.float())
-    grad = grad.to(x.dtype)
-    grad_weight += grad.T @ x  # one chunk's partial (in x's dtype) at a time, summed in fp32
-    return loss, grad @ weight
-
-
-# torch.compile once, at the first call that asks for it: importing torch's compiler takes seconds
-compile_once = functools.cache(torch.compile)
-
-
-# An operator of its own (the script's name is its namespace, so that two scripts can be imported together): to
-# torch.compile it is one opaque step, so the chunk loop is never unrolled into the model's graph. Unrolled, each
-# chunk compiled into kernels of its own, and Inductor kept every chunk's partial weight gradient to the end.
-@torch.library.custom_op(f"{__name__}::chunked_loss", mutates_args=())
-def chunked_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype,
-                 training: bool, compiled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The summed loss over the chunks, their matmuls in dtype, and when training its gradients for x and the
-    weight. In a compiled model (compiled) the chunk's body is compiled too, once for its shape (once more for a
-    short last chunk)."""
-    loss = torch.zeros((), device=x.device)
-    grad_x = torch.empty_like(x)
-    grad_weight = torch.zeros_like(weight, dtype=torch.float32)
-    # cast once, not in each chunk's matmuls as autocast would (ChunkedCrossEntropy.forward says why)
-    x = x.to(dtype)
-    weight = weight.to(dtype)
-    body = compile_once(chunk_loss, dynamic=False) if compiled else chunk_loss
-    for i in range(0, len(x), LOSS_CHUNK):
-        chunk = slice(i, i + LOSS_CHUNK)
-        chunk_sum, grad_x_chunk = body(x[chunk], weight, targets[chunk, None], grad_weight, training)
-        loss += chunk_sum
-        if training:
-            grad_x[chunk] = grad_x_chunk
-    return loss, grad_x, grad_weight
-
-
-@chunked_loss.register_fake  # the outputs' shapes and dtypes, all that torch.compile needs to know of it
-def _(x, weight, targets, dtype, training, compiled):
-    return x.new_empty((), dtype=torch.float32), torch.empty_like(x), torch.empty_like(weight, dtype=torch.float32)
-
-
-class ChunkedCrossEntropy(torch.autograd.Function):
-    """The head's summed cross-entropy over the targets (-1: ignored), for a chunk of rows of x @ weight.T at a
-    time, so that the whole (rows, vocab) logits never exist at once. When training, the gradients (softmax
-    minus one-hot, back through the matmul) are taken in the forward while each chunk's logits are at hand, and
-    backward only scales them: this is liger-kernel's fused linear cross-entropy, in plain PyTorch so that it
-    runs wherever torch does."""
-
-    @staticmethod
-    def forward(ctx, x, weight, targets, training, compiled):
-        # The head's matmuls run in autocast's dtype, as the plain head's do. That dtype is read here, where
-        # torch.compile sees it: a compiled graph runs with autocast off, and the operator inside it too. And
-        # autocast would cast the weight in every chunk's matmuls: its cache of casts is off where grad mode is.
-        device_type = x.device.type
-        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
-        loss, grad_x, grad_weight = chunked_loss(x, weight, targets, dtype, training, compiled)
-        ctx.save_for_backward(grad_x, grad_weight)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        grad_x, grad_weight = ctx.saved_tensors
-        # in place: backward runs once
-        return grad_x.mul_(grad_loss), grad_weight.mul_(grad_loss), None, None, None
-# ---- end shared: loss ----
 
 
 # ---- shared: chat ----
@@ -906,6 +819,93 @@ def main(argv=None):
 # Everything below supports main() and its loop: train_gpt2.py's blocks, in its order (tests/sync_shared.py
 # copies them from there).
 
+# ---- shared: loss ----
+# rows of logits at a time in the training loss, 206 MB of them in fp32: bench/head_loss.py --chunks
+LOSS_CHUNK = 1024
+
+
+def chunk_loss(x, weight, targets, grad_weight, training):
+    """One chunk's summed cross-entropy over its targets (-1: ignored). When training, also its gradient for x,
+    returned, and for the weight, added to grad_weight (fp32) in place."""
+    logits = (x @ weight.T).float()
+    learned = targets >= 0
+    safe_targets = targets.clamp(min=0)  # an ignored target's -1 is no index
+    target_logits = logits.gather(1, safe_targets)
+    row_max = logits.amax(dim=1, keepdim=True)
+    probs = logits.sub_(row_max).exp_()  # in place (no new chunk-sized tensor), and unnormalized
+    sum_exp = probs.sum(dim=1, keepdim=True)
+    log_sum_exp = row_max + sum_exp.log()
+    loss = ((log_sum_exp - target_logits) * learned).sum()
+    if not training:
+        return loss, None
+    # d loss / d logits = softmax - one-hot, 0 where the target is ignored
+    grad = probs.mul_(learned / sum_exp)
+    grad.scatter_add_(1, safe_targets, -learned.float())
+    grad = grad.to(x.dtype)
+    grad_weight += grad.T @ x  # one chunk's partial (in x's dtype) at a time, summed in fp32
+    return loss, grad @ weight
+
+
+# torch.compile once, at the first call that asks for it: importing torch's compiler takes seconds
+compile_once = functools.cache(torch.compile)
+
+
+# An operator of its own (the script's name is its namespace, so that two scripts can be imported together): to
+# torch.compile it is one opaque step, so the chunk loop is never unrolled into the model's graph. Unrolled, each
+# chunk compiled into kernels of its own, and Inductor kept every chunk's partial weight gradient to the end.
+@torch.library.custom_op(f"{__name__}::chunked_loss", mutates_args=())
+def chunked_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype,
+                 training: bool, compiled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The summed loss over the chunks, their matmuls in dtype, and when training its gradients for x and the
+    weight. In a compiled model (compiled) the chunk's body is compiled too, once for its shape (once more for a
+    short last chunk)."""
+    loss = torch.zeros((), device=x.device)
+    grad_x = torch.empty_like(x)
+    grad_weight = torch.zeros_like(weight, dtype=torch.float32)
+    # cast once, not in each chunk's matmuls as autocast would (ChunkedCrossEntropy.forward says why)
+    x = x.to(dtype)
+    weight = weight.to(dtype)
+    body = compile_once(chunk_loss, dynamic=False) if compiled else chunk_loss
+    for i in range(0, len(x), LOSS_CHUNK):
+        chunk = slice(i, i + LOSS_CHUNK)
+        chunk_sum, grad_x_chunk = body(x[chunk], weight, targets[chunk, None], grad_weight, training)
+        loss += chunk_sum
+        if training:
+            grad_x[chunk] = grad_x_chunk
+    return loss, grad_x, grad_weight
+
+
+@chunked_loss.register_fake  # the outputs' shapes and dtypes, all that torch.compile needs to know of it
+def _(x, weight, targets, dtype, training, compiled):
+    return x.new_empty((), dtype=torch.float32), torch.empty_like(x), torch.empty_like(weight, dtype=torch.float32)
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """The head's summed cross-entropy over the targets (-1: ignored), for a chunk of rows of x @ weight.T at a
+    time, so that the whole (rows, vocab) logits never exist at once. When training, the gradients (softmax
+    minus one-hot, back through the matmul) are taken in the forward while each chunk's logits are at hand, and
+    backward only scales them: this is liger-kernel's fused linear cross-entropy, in plain PyTorch so that it
+    runs wherever torch does."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, training, compiled):
+        # The head's matmuls run in autocast's dtype, as the plain head's do. That dtype is read here, where
+        # torch.compile sees it: a compiled graph runs with autocast off, and the operator inside it too. And
+        # autocast would cast the weight in every chunk's matmuls: its cache of casts is off where grad mode is.
+        device_type = x.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        loss, grad_x, grad_weight = chunked_loss(x, weight, targets, dtype, training, compiled)
+        ctx.save_for_backward(grad_x, grad_weight)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_x, grad_weight = ctx.saved_tensors
+        # in place: backward runs once
+        return grad_x.mul_(grad_loss), grad_weight.mul_(grad_loss), None, None, None
+# ---- end shared: loss ----
+
+
 # ---- shared: distributed ----
 def init_distributed(device="auto"):
     """The device, checked, a GPU by its index (cuda:N); and under torchrun the process group (NCCL on CUDA,
@@ -1207,8 +1207,8 @@ def resume_args(parser, argv, fixed):
             saved[key] = checkpoint["config"][key]
     # --fsdp is not taken from the checkpoint (no flag turns it off): each launch says how it shards, and a
     # checkpoint of either kind loads. It is still reported below when it changed.
-    not_restored = ("resume", "out_dir", "demo", "fsdp")
-    parser.set_defaults(**{key: value for key, value in saved.items() if key not in not_restored})
+    parser.set_defaults(**{key: value for key, value in saved.items()
+                           if key not in ("resume", "out_dir", "demo", "fsdp")})
     args = parser.parse_args(argv)
     changed = [key for key, value in vars(args).items()
                if key in saved and saved[key] != value and key not in ("resume", "out_dir", "demo")]
@@ -1270,8 +1270,8 @@ def checkpoint_path(out_dir, step):
 
 def older_checkpoints(out_dir, step):
     """The checkpoints in out_dir from steps before step, oldest first."""
-    paths = sorted(glob.glob(os.path.join(out_dir, CHECKPOINT_GLOB)))
-    return [path for path in paths if path < checkpoint_path(out_dir, step)]
+    return [path for path in sorted(glob.glob(os.path.join(out_dir, CHECKPOINT_GLOB)))
+            if path < checkpoint_path(out_dir, step)]
 
 
 def prune_checkpoints(out_dir, step, keep):
