@@ -56,7 +56,7 @@ def get_args(argv=None):
     p.error = die
     model = p.add_mutually_exclusive_group(required=True)  # one of the two
     model.add_argument("--ckpt", help="checkpoint of train_gpt2.py or mid_train.py (a file or an out_dir)")
-    model.add_argument("--hf", choices=list(MODEL_SIZES),
+    model.add_argument("--hf", choices=MODEL_SIZES,
                        help="OpenAI's GPT-2 weights through transformers instead")
     p.add_argument("--split", default="val", choices=["train", "val", "test"],
                    help="which official split to download")

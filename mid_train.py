@@ -100,7 +100,7 @@ def get_args(argv=None):
     p.error = die  # one-line errors, exit code 2
     p.add_argument("--init_ckpt", type=os.path.normpath,
                    help="train_gpt2.py checkpoint to start from (a file or an out_dir)")
-    p.add_argument("--init_from", choices=list(MODEL_SIZES),
+    p.add_argument("--init_from", choices=MODEL_SIZES,
                    help="start from OpenAI's weights (needs transformers)")
     p.add_argument("--data", nargs="+", default=["chat:hub", "mmlu:hub", "gsm8k:hub"],
                    help="sources KIND:PATH[:EPOCHS]; KIND chat (.jsonl of {messages} or bare message lists), "

@@ -51,7 +51,7 @@ def get_args(argv=None):
     p.error = die
     model = p.add_mutually_exclusive_group(required=True)  # one of the two
     model.add_argument("--ckpt", help="checkpoint file, or an out_dir (its newest checkpoint)")
-    model.add_argument("--hf", choices=list(MODEL_SIZES),
+    model.add_argument("--hf", choices=MODEL_SIZES,
                        help="OpenAI's GPT-2 weights through transformers instead")
     p.add_argument("--prompt",
                    help="prompt text; without it, stdin where it is piped (e.g. < prompt.txt), else <|endoftext|>")

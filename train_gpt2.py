@@ -70,13 +70,13 @@ def get_args(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     p.error = die  # one-line errors, exit code 2
     # model
-    p.add_argument("--model", default="gpt2", choices=list(MODEL_SIZES),
+    p.add_argument("--model", default="gpt2", choices=MODEL_SIZES,
                    help="model size to train from scratch")
     p.add_argument("--n_layer", type=positive_int, help="override the number of transformer blocks")
     p.add_argument("--n_head", type=positive_int, help="override the number of attention heads")
     p.add_argument("--n_embd", type=positive_int, help="override the embedding width")
     p.add_argument("--block_size", type=positive_int, help="override the model's context length (1024)")
-    p.add_argument("--init_from", choices=list(MODEL_SIZES),
+    p.add_argument("--init_from", choices=MODEL_SIZES,
                    help="start from OpenAI's weights (needs transformers)")
     # data
     p.add_argument("--data_dir", default="data/fineweb-edu-10BT",
