@@ -363,9 +363,9 @@ class GPT(nn.Module):
             kv_cache.pos += T
         if targets is None:
             return self.lm_head(x), None
-        # the loss without the whole (B * T, vocab) logits: ChunkedCrossEntropy, the first block after main()
+        # the loss without the whole (B * T, vocab) logits: ChunkedCrossEntropy, the trainers' "loss" block
         loss = ChunkedCrossEntropy.apply(x.flatten(0, 1), self.lm_head.weight, targets.flatten(),
-                                         torch.is_grad_enabled(), torch.compiler.is_compiling())
+                                         torch.is_grad_enabled())
         if reduction == "mean":
             loss = loss / (targets >= 0).sum()
         return None, loss

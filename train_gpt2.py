@@ -283,9 +283,9 @@ class GPT(nn.Module):
             kv_cache.pos += T
         if targets is None:
             return self.lm_head(x), None
-        # the loss without the whole (B * T, vocab) logits: ChunkedCrossEntropy, the first block after main()
+        # the loss without the whole (B * T, vocab) logits: ChunkedCrossEntropy, the trainers' "loss" block
         loss = ChunkedCrossEntropy.apply(x.flatten(0, 1), self.lm_head.weight, targets.flatten(),
-                                         torch.is_grad_enabled(), torch.compiler.is_compiling())
+                                         torch.is_grad_enabled())
         if reduction == "mean":
             loss = loss / (targets >= 0).sum()
         return None, loss
@@ -720,12 +720,14 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     runs wherever torch does."""
 
     @staticmethod
-    def forward(ctx, x, weight, targets, training, compiled):
+    def forward(ctx, x, weight, targets, training):
         # The head's matmuls run in autocast's dtype, as the plain head's do. That dtype is read here, where
         # torch.compile sees it: a compiled graph runs with autocast off, and the operator inside it too. And
         # autocast would cast the weight in every chunk's matmuls: its cache of casts is off where grad mode is.
+        # Whether the model is compiled is read here too.
         device_type = x.device.type
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        compiled = torch.compiler.is_compiling()
         loss, grad_x, grad_weight = chunked_loss(x, weight, targets, dtype, training, compiled)
         ctx.save_for_backward(grad_x, grad_weight)
         return loss
@@ -734,7 +736,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         grad_x, grad_weight = ctx.saved_tensors
         # in place: backward runs once
-        return grad_x.mul_(grad_loss), grad_weight.mul_(grad_loss), None, None, None
+        return grad_x.mul_(grad_loss), grad_weight.mul_(grad_loss), None, None
 # ---- end shared: loss ----
 
 
