@@ -178,7 +178,7 @@ def main(argv=None):
 # -----------------------------------------------------------------------------
 # everything below supports the script: command-line checks, the tokenizer and chat tokens, the model,
 # checkpoints
-# (copies of blocks in train_gpt2.py and mid_train.py: edit those, then run python tests/sync_shared.py)
+# (blocks shared with train_gpt2.py and mid_train.py: after editing any copy, run python tests/sync_shared.py)
 
 
 # ---- shared: tokenizer ----

@@ -817,7 +817,7 @@ def main(argv=None):
 
 # -----------------------------------------------------------------------------
 # Everything below supports main() and its loop: train_gpt2.py's blocks, in its order (tests/sync_shared.py
-# copies them from there).
+# keeps them equal).
 
 # ---- shared: loss ----
 # rows of logits at a time in the training loss, 206 MB of them in fp32: bench/head_loss.py --chunks

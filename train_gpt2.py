@@ -649,7 +649,7 @@ def main(argv=None):
 # (ChunkedCrossEntropy, which GPT.forward calls); devices; the training setup and optimizers; out-of-memory
 # advice; the out_dir; checkpoints (loading, then their life in a run: resume, save, prune, divergence) and
 # OpenAI's weights; the log; stop signals; HellaSwag and samples; the tokenizer, progress bars, files and flag
-# types. Blocks marked "shared" are copied from here into the other scripts by tests/sync_shared.py.
+# types. Blocks marked "shared" are kept equal in every script by tests/sync_shared.py.
 
 # ---- shared: loss ----
 # rows of logits at a time in the training loss, 206 MB of them in fp32: bench/head_loss.py --chunks

@@ -1,17 +1,63 @@
 import ast
 import os
+import shutil
 import subprocess
 import sys
 
 from conftest import REPO
 
 sys.path.insert(0, os.path.join(REPO, "tests"))
-from sync_shared import SCRIPTS, differing_copies, read_blocks  # noqa: E402
+from sync_shared import SCRIPTS, differing_copies, read_blocks, stale_record  # noqa: E402
 
 
 def test_shared_blocks_are_identical():
     diffs = differing_copies()
-    assert not diffs, f"copies differ from their canonical block (run python tests/sync_shared.py): {diffs}"
+    assert not diffs, f"copies of a shared block differ (run python tests/sync_shared.py): {diffs}"
+    stale = stale_record()
+    assert not stale, f"tests/shared_blocks.json is out of date for {stale} (run python tests/sync_shared.py)"
+
+
+def copy_of_repo(tmp_path):
+    """The scripts, the sync tool and its record, copied where the tool can rewrite them."""
+    (tmp_path / "tests").mkdir()
+    for name in SCRIPTS + ["tests/sync_shared.py", "tests/shared_blocks.json"]:
+        shutil.copy(os.path.join(REPO, name), tmp_path / name)
+    return tmp_path
+
+
+def edit_block(path, name, line):
+    """Add a line at the end of the script's copy of a shared block."""
+    end = f"# ---- end shared: {name} ----"
+    path.write_text(path.read_text().replace(end, f"{line}\n{end}"))
+
+
+def run_sync(root, *flags):
+    return subprocess.run([sys.executable, str(root / "tests" / "sync_shared.py"), *flags], capture_output=True,
+                          text=True)
+
+
+def test_an_edit_in_any_copy_reaches_every_other(tmp_path):
+    root = copy_of_repo(tmp_path)
+    edit_block(root / "mid_train.py", "model", "# edited in mid_train.py")
+    proc = run_sync(root)
+    assert proc.returncode == 0, proc.stderr
+    for script in SCRIPTS:
+        blocks = read_blocks(root / script)
+        assert "model" not in blocks or blocks["model"].endswith("# edited in mid_train.py\n"), script
+    assert run_sync(root, "--check").returncode == 0
+
+
+def test_two_different_edits_are_refused_and_both_kept(tmp_path):
+    root = copy_of_repo(tmp_path)
+    edit_block(root / "mid_train.py", "model", "# edited in mid_train.py")
+    edit_block(root / "sample.py", "model", "# edited in sample.py")
+    # a clean edit of another block is held back too: a refused sync changes no file at all
+    edit_block(root / "hellaswag.py", "tokenizer", "# edited in hellaswag.py")
+    files = SCRIPTS + ["tests/shared_blocks.json"]
+    before = {name: (root / name).read_bytes() for name in files}
+    proc = run_sync(root)
+    assert proc.returncode == 1 and "mid_train.py" in proc.stderr and "sample.py" in proc.stderr, proc.stderr
+    assert {name: (root / name).read_bytes() for name in files} == before
 
 
 def test_every_script_is_importable_without_side_effects(tmp_path):
