@@ -272,8 +272,10 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # query, key and value in one matmul
+        self.c_attn.MUON_PARTS = ("query", "key", "value")
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.c_proj.NANOGPT_SCALE_INIT = True
+        self.c_proj.MUON_PARTS = ("weight",)
         self.n_head = config.n_head
         self.n_embd = config.n_embd
 
@@ -299,9 +301,11 @@ class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.c_fc.MUON_PARTS = ("weight",)
         self.gelu = nn.GELU(approximate="tanh")
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
         self.c_proj.NANOGPT_SCALE_INIT = True
+        self.c_proj.MUON_PARTS = ("weight",)
 
     def forward(self, x):
         x = self.c_fc(x)
@@ -348,9 +352,9 @@ class GPT(nn.Module):
             torch.nn.init.zeros_(module.bias)
 
     def forward(self, idx, targets=None, kv_cache=None, reduction="mean"):
-        """Without targets, the logits of every position. With targets (-1 where ignored), the cross-entropy
-        loss over the targets instead: their mean, or with reduction="sum" their sum (0 where there are
-        none), which training divides itself. Returns (logits, loss), the one not computed None."""
+        """The logits of every position, and with targets (-1 where ignored) the cross-entropy loss over them:
+        their mean, or with reduction="sum" their sum (0 where there are none), which training divides itself.
+        Returns (logits, loss), loss None without targets."""
         T = idx.size(1)
         start = kv_cache.pos if kv_cache is not None else 0  # the position of the first new token
         assert start + T <= self.config.block_size, f"{start + T} tokens are past the context {self.config.block_size}"
@@ -361,14 +365,12 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         if kv_cache is not None:
             kv_cache.pos += T
-        if targets is None:
-            return self.lm_head(x), None
-        # the loss without the whole (B * T, vocab) logits: ChunkedCrossEntropy, the trainers' "loss" block
-        loss = ChunkedCrossEntropy.apply(x.flatten(0, 1), self.lm_head.weight, targets.flatten(),
-                                         torch.is_grad_enabled())
-        if reduction == "mean":
-            loss = loss / (targets >= 0).sum()
-        return None, loss
+        logits = self.lm_head(x)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1,
+                                   reduction=reduction)
+        return logits, loss
 # ---- end shared: model ----
 
 

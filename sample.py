@@ -334,8 +334,10 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # query, key and value in one matmul
+        self.c_attn.MUON_PARTS = ("query", "key", "value")
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.c_proj.NANOGPT_SCALE_INIT = True
+        self.c_proj.MUON_PARTS = ("weight",)
         self.n_head = config.n_head
         self.n_embd = config.n_embd
 
@@ -361,9 +363,11 @@ class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.c_fc.MUON_PARTS = ("weight",)
         self.gelu = nn.GELU(approximate="tanh")
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
         self.c_proj.NANOGPT_SCALE_INIT = True
+        self.c_proj.MUON_PARTS = ("weight",)
 
     def forward(self, x):
         x = self.c_fc(x)
@@ -410,9 +414,9 @@ class GPT(nn.Module):
             torch.nn.init.zeros_(module.bias)
 
     def forward(self, idx, targets=None, kv_cache=None, reduction="mean"):
-        """Without targets, the logits of every position. With targets (-1 where ignored), the cross-entropy
-        loss over the targets instead: their mean, or with reduction="sum" their sum (0 where there are
-        none), which training divides itself. Returns (logits, loss), the one not computed None."""
+        """The logits of every position, and with targets (-1 where ignored) the cross-entropy loss over them:
+        their mean, or with reduction="sum" their sum (0 where there are none), which training divides itself.
+        Returns (logits, loss), loss None without targets."""
         T = idx.size(1)
         start = kv_cache.pos if kv_cache is not None else 0  # the position of the first new token
         assert start + T <= self.config.block_size, f"{start + T} tokens are past the context {self.config.block_size}"
@@ -423,14 +427,12 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         if kv_cache is not None:
             kv_cache.pos += T
-        if targets is None:
-            return self.lm_head(x), None
-        # the loss without the whole (B * T, vocab) logits: ChunkedCrossEntropy, the trainers' "loss" block
-        loss = ChunkedCrossEntropy.apply(x.flatten(0, 1), self.lm_head.weight, targets.flatten(),
-                                         torch.is_grad_enabled())
-        if reduction == "mean":
-            loss = loss / (targets >= 0).sum()
-        return None, loss
+        logits = self.lm_head(x)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1,
+                                   reduction=reduction)
+        return logits, loss
 # ---- end shared: model ----
 
 
@@ -451,13 +453,21 @@ def gpt_from_pretrained(model_type):
 
 
 def load_hf_state_dict(model, hf_state):
-    """Copy weights from transformers' GPT2LMHeadModel, whose Conv1D layers store weights transposed."""
+    """Copy weights from transformers' GPT2LMHeadModel, whose Conv1D layers store weights transposed. A model
+    whose weights have other names or shapes than GPT-2's is a one-line error naming one."""
     state = model.state_dict()
+    # the causal-mask buffers are no weights
+    hf_state = {name: value.t() if name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")) else value
+                for name, value in hf_state.items() if not name.endswith((".attn.bias", ".attn.masked_bias"))}
+    # each weight's name and shape, but for its rows: our embedding's are padded
+    ours = {name: tuple(value.shape[1:]) for name, value in state.items()}
+    theirs = {name: tuple(value.shape[1:]) for name, value in hf_state.items()}
+    if ours != theirs:
+        name, shape = min(ours.items() ^ theirs.items())
+        die(f"OpenAI's GPT-2 weights do not fit this model's layout ({name}, rows of shape {shape}, is in one of "
+            f"them only): train this model from scratch, or start from a checkpoint of it")
     with torch.no_grad():
         for name, value in hf_state.items():
-            if name.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers, not weights
-                continue
-            value = value.t() if name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")) else value
             state[name][: value.size(0)].copy_(value)
             # the padding rows of the embedding start at the mean embedding: they take almost no probability
             state[name][value.size(0):].copy_(value.mean(0))

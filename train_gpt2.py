@@ -13,7 +13,6 @@ and its loop call; the banner lists it.
 """
 
 import argparse
-import functools
 import glob
 import json
 import math
@@ -23,7 +22,7 @@ import signal
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 import torch
@@ -69,13 +68,12 @@ def get_args(argv=None):
     p = argparse.ArgumentParser(description="Pretrain GPT-2 on token shards (llm.c .bin or uint16 .npy).",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     p.error = die  # one-line errors, exit code 2
-    # model
+    # model: a size, and a flag for each GPTConfig field (--n_layer, --n_embd...) that overrides that size's
     p.add_argument("--model", default="gpt2", choices=MODEL_SIZES,
                    help="model size to train from scratch")
-    p.add_argument("--n_layer", type=positive_int, help="override the number of transformer blocks")
-    p.add_argument("--n_head", type=positive_int, help="override the number of attention heads")
-    p.add_argument("--n_embd", type=positive_int, help="override the embedding width")
-    p.add_argument("--block_size", type=positive_int, help="override the model's context length (1024)")
+    for field in fields(GPTConfig):
+        flag_type = positive_int if field.type is int else nonneg_float
+        p.add_argument(f"--{field.name}", type=flag_type, help=f"the model's {field.name} (gpt2: {field.default})")
     p.add_argument("--init_from", choices=MODEL_SIZES,
                    help="start from OpenAI's weights (needs transformers)")
     # data
@@ -152,8 +150,8 @@ def get_args(argv=None):
         p.set_defaults(**DEMO_PRESET)
         args = p.parse_args(argv)
     if args.resume:
-        args = resume_args(p, argv, fixed=("model", "n_layer", "n_head", "n_embd", "block_size", "init_from",
-                                           "optimizer"))
+        model_flags = [field.name for field in fields(GPTConfig)]
+        args = resume_args(p, argv, fixed=("model", *model_flags, "init_from", "optimizer"))
     if not args.prompt and args.num_samples:
         print0("--prompt is empty: the in-loop samples start from <|endoftext|>")
     return args
@@ -192,8 +190,10 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # query, key and value in one matmul
+        self.c_attn.MUON_PARTS = ("query", "key", "value")
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.c_proj.NANOGPT_SCALE_INIT = True
+        self.c_proj.MUON_PARTS = ("weight",)
         self.n_head = config.n_head
         self.n_embd = config.n_embd
 
@@ -219,9 +219,11 @@ class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.c_fc.MUON_PARTS = ("weight",)
         self.gelu = nn.GELU(approximate="tanh")
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
         self.c_proj.NANOGPT_SCALE_INIT = True
+        self.c_proj.MUON_PARTS = ("weight",)
 
     def forward(self, x):
         x = self.c_fc(x)
@@ -268,9 +270,9 @@ class GPT(nn.Module):
             torch.nn.init.zeros_(module.bias)
 
     def forward(self, idx, targets=None, kv_cache=None, reduction="mean"):
-        """Without targets, the logits of every position. With targets (-1 where ignored), the cross-entropy
-        loss over the targets instead: their mean, or with reduction="sum" their sum (0 where there are
-        none), which training divides itself. Returns (logits, loss), the one not computed None."""
+        """The logits of every position, and with targets (-1 where ignored) the cross-entropy loss over them:
+        their mean, or with reduction="sum" their sum (0 where there are none), which training divides itself.
+        Returns (logits, loss), loss None without targets."""
         T = idx.size(1)
         start = kv_cache.pos if kv_cache is not None else 0  # the position of the first new token
         assert start + T <= self.config.block_size, f"{start + T} tokens are past the context {self.config.block_size}"
@@ -281,14 +283,12 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         if kv_cache is not None:
             kv_cache.pos += T
-        if targets is None:
-            return self.lm_head(x), None
-        # the loss without the whole (B * T, vocab) logits: ChunkedCrossEntropy, the trainers' "loss" block
-        loss = ChunkedCrossEntropy.apply(x.flatten(0, 1), self.lm_head.weight, targets.flatten(),
-                                         torch.is_grad_enabled())
-        if reduction == "mean":
-            loss = loss / (targets >= 0).sum()
-        return None, loss
+        logits = self.lm_head(x)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1,
+                                   reduction=reduction)
+        return logits, loss
 # ---- end shared: model ----
 
 
@@ -413,8 +413,10 @@ def lr_multiplier(step, args):
 # ---- shared: step ----
 def train_step(model, optimizers, scaler, next_batch, grad_accum_steps, step_tokens, grad_clip,
                autocast_ctx):
-    """One optimizer step over grad_accum_steps micro-batches. Returns this rank's part of the loss and the
-    gradient norm as device tensors: no host sync in here."""
+    """One optimizer step over grad_accum_steps micro-batches. Returns the step's metrics, this rank's part of
+    each as a device scalar (no host sync in here): its loss and gradient norm, and any metric added to them,
+    which the loop averages over the ranks and logs (the step line, log.jsonl, wandb)."""
+    metrics = {}
     loss_accum = 0.0
     for micro_step in range(grad_accum_steps):
         x, y = next_batch()  # on the device already
@@ -425,7 +427,7 @@ def train_step(model, optimizers, scaler, next_batch, grad_accum_steps, step_tok
         elif hasattr(model, "set_requires_gradient_sync"):  # FSDP (also through torch.compile's wrapper)
             model.set_requires_gradient_sync(last_micro_step)
         with autocast_ctx:
-            _, loss = model(x, y, reduction="sum")
+            logits, loss = model(x, y, reduction="sum")
         # The step's loss is the mean over all its targets, on all ranks: the sum of the per-token losses
         # divided by step_tokens. DDP and FSDP average the ranks' gradients (their sum / world_size), so each
         # rank scales its sum by world_size / step_tokens. In pretraining every token is a target, and this
@@ -443,7 +445,9 @@ def train_step(model, optimizers, scaler, next_batch, grad_accum_steps, step_tok
     scaler.update()
     for opt in optimizers:
         opt.zero_grad(set_to_none=True)
-    return loss_accum, grad_norm
+    metrics["loss"] = loss_accum
+    metrics["grad_norm"] = grad_norm
+    return metrics
 # ---- end shared: step ----
 
 
@@ -478,18 +482,21 @@ def main(argv=None):
 
     # ---- the model: the checkpoint to resume, OpenAI's weights, or a new one
     checkpoint = None
+    model_flags = {field.name: getattr(args, field.name) for field in fields(GPTConfig)
+                   if getattr(args, field.name) is not None}
     if args.resume:
         checkpoint, _ = load_checkpoint(args.resume_checkpoint)  # the one get_args found
         raw_model = model_from_checkpoint(checkpoint)
     elif args.init_from:
+        if model_flags:
+            die(f"--init_from {args.init_from} is OpenAI's model as it is: drop --{', --'.join(model_flags)}")
         raw_model = gpt_from_pretrained(args.init_from)
     else:
-        config = GPTConfig(**MODEL_SIZES[args.model])
-        for key in ("n_layer", "n_head", "n_embd", "block_size"):  # the flags that override the size
-            if getattr(args, key):
-                setattr(config, key, getattr(args, key))
+        config = GPTConfig(**{**MODEL_SIZES[args.model], **model_flags})
         if config.n_embd % config.n_head:
             die(f"--n_embd {config.n_embd} is not divisible by --n_head {config.n_head}")
+        if config.vocab_size <= EOT_TOKEN:
+            die(f"--vocab_size {config.vocab_size} is smaller than the tokenizer's {EOT_TOKEN + 1} tokens")
         raw_model = GPT(config)
     if T > raw_model.config.block_size:
         die(f"--seq_len {T} is beyond the model's context of {raw_model.config.block_size}; lower --seq_len")
@@ -549,7 +556,7 @@ def main(argv=None):
         for i in progress(range(val_steps), "val loss"):
             # a stop signal is asked about every 16 batches: a preempted job saves within seconds
             if i % 16 == 15:
-                (stop_now,) = sync_ranks(device)
+                _, stop_now = sync_ranks(device)
                 if stop_now:
                     return None
             x, y = val_loader.next_batch()
@@ -620,23 +627,25 @@ def main(argv=None):
         # one optimizer step
         t0 = time.perf_counter()
         set_schedule(optimizers, lr_multiplier(step, args), step, args)
-        loss, grad_norm = train_step(model, optimizers, scaler, train_loader.next_batch, grad_accum_steps,
-                                     args.total_batch_size, args.grad_clip, autocast_ctx)
+        metrics = train_step(model, optimizers, scaler, train_loader.next_batch, grad_accum_steps,
+                             args.total_batch_size, args.grad_clip, autocast_ctx)
         # the step's one host sync: the means over the ranks, and whether any rank was asked to stop
-        loss, grad_norm, stop = sync_ranks(device, loss, grad_norm.float())
+        metrics, stop = sync_ranks(device, metrics)
         seconds = time.perf_counter() - t0
-        lr = optimizers[0].param_groups[0]["lr"]  # the lr AdamW stepped with
+        metrics["lr"] = optimizers[0].param_groups[0]["lr"]  # the lr AdamW stepped with
+        loss, grad_norm = metrics["loss"], metrics["grad_norm"]
         saved_at_step = step > start_step and step % args.save_every == 0
         # Stop on a non-finite loss. float16's grad scaler skips a step whose gradients overflow, so there an
         # infinite gradient norm alone is no divergence.
         if not math.isfinite(loss) or (not scaler.is_enabled() and not math.isfinite(grad_norm)):
-            stop_diverged(step, f"loss {loss}, gradient norm {grad_norm}", lr, args.out_dir, saved_at_step)
+            stop_diverged(step, f"loss {loss}, gradient norm {grad_norm}", metrics["lr"], args.out_dir,
+                          saved_at_step)
         if saved_at_step:
             prune_checkpoints(args.out_dir, step, args.keep_checkpoints)
 
         # the log: a line every log_every steps
         if step % args.log_every == 0 or step == args.max_steps - 1:
-            log(*step_log.record(step, loss, grad_norm, seconds, lr))
+            log(*step_log.record(step, metrics, seconds))
 
     if wandb_run:
         wandb_run.finish()
@@ -650,95 +659,6 @@ def main(argv=None):
 # advice; the out_dir; checkpoints (loading, then their life in a run: resume, save, prune, divergence) and
 # OpenAI's weights; the log; stop signals; HellaSwag and samples; the tokenizer, progress bars, files and flag
 # types. Blocks marked "shared" are kept equal in every script by tests/sync_shared.py.
-
-# ---- shared: loss ----
-# rows of logits at a time in the training loss, 206 MB of them in fp32: bench/head_loss.py --chunks
-LOSS_CHUNK = 1024
-
-
-def chunk_loss(x, weight, targets, grad_weight, training):
-    """One chunk's summed cross-entropy over its targets (-1: ignored). When training, also its gradient for x,
-    returned, and for the weight, added to grad_weight (fp32) in place."""
-    logits = (x @ weight.T).float()
-    learned = targets >= 0
-    safe_targets = targets.clamp(min=0)  # an ignored target's -1 is no index
-    target_logits = logits.gather(1, safe_targets)
-    row_max = logits.amax(dim=1, keepdim=True)
-    probs = logits.sub_(row_max).exp_()  # in place (no new chunk-sized tensor), and unnormalized
-    sum_exp = probs.sum(dim=1, keepdim=True)
-    log_sum_exp = row_max + sum_exp.log()
-    loss = ((log_sum_exp - target_logits) * learned).sum()
-    if not training:
-        return loss, None
-    # d loss / d logits = softmax - one-hot, 0 where the target is ignored
-    grad = probs.mul_(learned / sum_exp)
-    grad.scatter_add_(1, safe_targets, -learned.float())
-    grad = grad.to(x.dtype)
-    grad_weight += grad.T @ x  # one chunk's partial (in x's dtype) at a time, summed in fp32
-    return loss, grad @ weight
-
-
-# torch.compile once, at the first call that asks for it: importing torch's compiler takes seconds
-compile_once = functools.cache(torch.compile)
-
-
-# An operator of its own (the script's name is its namespace, so that two scripts can be imported together): to
-# torch.compile it is one opaque step, so the chunk loop is never unrolled into the model's graph. Unrolled, each
-# chunk compiled into kernels of its own, and Inductor kept every chunk's partial weight gradient to the end.
-@torch.library.custom_op(f"{__name__}::chunked_loss", mutates_args=())
-def chunked_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype,
-                 training: bool, compiled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The summed loss over the chunks, their matmuls in dtype, and when training its gradients for x and the
-    weight. In a compiled model (compiled) the chunk's body is compiled too, once for its shape (once more for a
-    short last chunk)."""
-    loss = torch.zeros((), device=x.device)
-    grad_x = torch.empty_like(x)
-    grad_weight = torch.zeros_like(weight, dtype=torch.float32)
-    # cast once, not in each chunk's matmuls as autocast would (ChunkedCrossEntropy.forward says why)
-    x = x.to(dtype)
-    weight = weight.to(dtype)
-    body = compile_once(chunk_loss, dynamic=False) if compiled else chunk_loss
-    for i in range(0, len(x), LOSS_CHUNK):
-        chunk = slice(i, i + LOSS_CHUNK)
-        chunk_sum, grad_x_chunk = body(x[chunk], weight, targets[chunk, None], grad_weight, training)
-        loss += chunk_sum
-        if training:
-            grad_x[chunk] = grad_x_chunk
-    return loss, grad_x, grad_weight
-
-
-@chunked_loss.register_fake  # the outputs' shapes and dtypes, all that torch.compile needs to know of it
-def _(x, weight, targets, dtype, training, compiled):
-    return x.new_empty((), dtype=torch.float32), torch.empty_like(x), torch.empty_like(weight, dtype=torch.float32)
-
-
-class ChunkedCrossEntropy(torch.autograd.Function):
-    """The head's summed cross-entropy over the targets (-1: ignored), for a chunk of rows of x @ weight.T at a
-    time, so that the whole (rows, vocab) logits never exist at once. When training, the gradients (softmax
-    minus one-hot, back through the matmul) are taken in the forward while each chunk's logits are at hand, and
-    backward only scales them: this is liger-kernel's fused linear cross-entropy, in plain PyTorch so that it
-    runs wherever torch does."""
-
-    @staticmethod
-    def forward(ctx, x, weight, targets, training):
-        # The head's matmuls run in autocast's dtype, as the plain head's do. That dtype is read here, where
-        # torch.compile sees it: a compiled graph runs with autocast off, and the operator inside it too. And
-        # autocast would cast the weight in every chunk's matmuls: its cache of casts is off where grad mode is.
-        # Whether the model is compiled is read here too.
-        device_type = x.device.type
-        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
-        compiled = torch.compiler.is_compiling()
-        loss, grad_x, grad_weight = chunked_loss(x, weight, targets, dtype, training, compiled)
-        ctx.save_for_backward(grad_x, grad_weight)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        grad_x, grad_weight = ctx.saved_tensors
-        # in place: backward runs once
-        return grad_x.mul_(grad_loss), grad_weight.mul_(grad_loss), None, None
-# ---- end shared: loss ----
-
 
 # ---- shared: distributed ----
 def init_distributed(device="auto"):
@@ -842,19 +762,25 @@ def parameter_mib(model):
 
 # ---- shared: optim ----
 def make_optimizers(model, args, device_type):
-    """AdamW (0.9, 0.95) with weight decay on the 2-D weights only; with --optimizer muon, Muon takes the 2-D
-    weights inside the blocks and AdamW keeps the embedding (tied with the head), biases and norms."""
-    params = dict(model.named_parameters())
-    hidden_matrices = {name: p for name, p in params.items() if p.dim() == 2 and ".h." in name}
-    muon_params = hidden_matrices if args.optimizer == "muon" else {}
-    adamw_params = [p for name, p in params.items() if name not in muon_params]
+    """AdamW (0.9, 0.95) with weight decay on the 2-D weights only; with --optimizer muon, Muon takes the
+    weights of the layers the model marks with MUON_PARTS (the blocks' linear layers), and AdamW keeps the
+    rest (the embedding tied with the head, biases, norms). A group may set its own lr: set_schedule scales
+    each group's own peak."""
+    muon_layers = [m for m in model.modules() if hasattr(m, "MUON_PARTS")] if args.optimizer == "muon" else []
+    muon_params = {m.weight for m in muon_layers}
+    adamw_params = [p for p in model.parameters() if p not in muon_params]
     groups = [dict(params=[p for p in adamw_params if p.dim() >= 2], weight_decay=args.weight_decay),
               dict(params=[p for p in adamw_params if p.dim() < 2], weight_decay=0.0)]
     fused = device_type in ("cuda", "cpu")  # one kernel for all parameters: 6x faster than foreach on CPU
     optimizers = [torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)]
-    if muon_params:
-        optimizers.append(Muon(muon_params.values(), lr=args.muon_lr, momentum=args.muon_momentum,
+    if muon_layers:
+        # a group for each weight, with the number of matrices it stacks (the fused query, key and value: 3)
+        muon_groups = [dict(params=[layer.weight], parts=len(layer.MUON_PARTS)) for layer in muon_layers]
+        optimizers.append(Muon(muon_groups, lr=args.muon_lr, momentum=args.muon_momentum,
                                weight_decay=args.muon_weight_decay))
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["peak_lr"] = group["lr"]
     return optimizers
 
 
@@ -864,7 +790,8 @@ class Muon(torch.optim.Optimizer):
     the same update."""
 
     def __init__(self, params, lr=0.02, momentum=0.95, weight_decay=0.0):
-        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
+        # parts: a weight that stacks several matrices (query, key, value) is orthogonalized a part at a time
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, parts=1))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -879,10 +806,8 @@ class Muon(torch.optim.Optimizer):
                 buf.lerp_(p.grad, 1 - group["momentum"])
                 update = p.grad.lerp(buf, group["momentum"])  # Nesterov
                 # The attention's fused weight (3C x C) is three C x C maps, Q, K and V: each is
-                # orthogonalized on its own (as modded-nanogpt does), not the stack as one tall matrix. No
-                # other hidden weight has that shape: the MLP's are 4C x C and C x 4C, the projections C x C.
-                is_fused_qkv = p.size(0) == 3 * p.size(1)
-                blocks = update.view(3 if is_fused_qkv else 1, -1, p.size(1))
+                # orthogonalized on its own (as modded-nanogpt does), not the stack as one tall matrix.
+                blocks = update.view(group["parts"], -1, p.size(1))
                 blocks = zeropower_via_newtonschulz5(blocks)
                 # a tall block is scaled up to the per-entry size of a square one: sqrt(rows / cols), as
                 # modded-nanogpt does
@@ -910,16 +835,14 @@ def zeropower_via_newtonschulz5(G, steps=5):
 
 
 def set_schedule(optimizers, multiplier, step, args):
-    """Every learning rate at its peak (--lr, --muon_lr) times the schedule's multiplier; Muon's momentum
-    warms up from 0.85."""
+    """Every group's learning rate at its peak (--lr, --muon_lr, or the group's own) times the schedule's
+    multiplier; Muon's momentum warms up from 0.85."""
     momentum_warmup = min(1.0, step / max(1, args.muon_momentum_warmup))  # 0 to 1
     for opt in optimizers:
         for group in opt.param_groups:
+            group["lr"] = group["peak_lr"] * multiplier
             if isinstance(opt, Muon):
-                group["lr"] = args.muon_lr * multiplier
                 group["momentum"] = (1 - momentum_warmup) * 0.85 + momentum_warmup * args.muon_momentum
-            else:
-                group["lr"] = args.lr * multiplier
 # ---- end shared: optim ----
 
 
@@ -1065,6 +988,9 @@ def restore_training_state(checkpoint, raw_model, optimizers, scaler):
     # hyperparameters (lr...): the old run's would silently override a new --lr.
     our_groups = [group for opt in optimizers for group in opt.param_groups]
     saved_groups = checkpoint["optimizer"]["param_groups"]
+    if len(our_groups) != len(saved_groups):
+        die(f"the checkpoint's optimizers have {len(saved_groups)} parameter groups and this run's "
+            f"{len(our_groups)}: resume with the code and --optimizer that saved it, or start afresh")
     checkpoint["optimizer"]["param_groups"] = [{**ours, "params": saved["params"]}
                                                for ours, saved in zip(our_groups, saved_groups)]
     set_optimizer_state_dict(raw_model, optimizers, checkpoint["optimizer"],
@@ -1153,13 +1079,21 @@ def gpt_from_pretrained(model_type):
 
 
 def load_hf_state_dict(model, hf_state):
-    """Copy weights from transformers' GPT2LMHeadModel, whose Conv1D layers store weights transposed."""
+    """Copy weights from transformers' GPT2LMHeadModel, whose Conv1D layers store weights transposed. A model
+    whose weights have other names or shapes than GPT-2's is a one-line error naming one."""
     state = model.state_dict()
+    # the causal-mask buffers are no weights
+    hf_state = {name: value.t() if name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")) else value
+                for name, value in hf_state.items() if not name.endswith((".attn.bias", ".attn.masked_bias"))}
+    # each weight's name and shape, but for its rows: our embedding's are padded
+    ours = {name: tuple(value.shape[1:]) for name, value in state.items()}
+    theirs = {name: tuple(value.shape[1:]) for name, value in hf_state.items()}
+    if ours != theirs:
+        name, shape = min(ours.items() ^ theirs.items())
+        die(f"OpenAI's GPT-2 weights do not fit this model's layout ({name}, rows of shape {shape}, is in one of "
+            f"them only): train this model from scratch, or start from a checkpoint of it")
     with torch.no_grad():
         for name, value in hf_state.items():
-            if name.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers, not weights
-                continue
-            value = value.t() if name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")) else value
             state[name][: value.size(0)].copy_(value)
             # the padding rows of the embedding start at the mean embedding: they take almost no probability
             state[name][value.size(0):].copy_(value.mean(0))
@@ -1258,17 +1192,20 @@ class StepLog:
         device_name = torch.cuda.get_device_name(device) if device.startswith("cuda") else device
         self.peak_flops = args.peak_flops or PEAK_BF16_FLOPS.get(device_name)
 
-    def record(self, step, loss, grad_norm, seconds, lr):
-        """The log record and line. tok/s is over all ranks (which keep in step), MFU over all devices;
-        memory is rank 0's."""
+    def record(self, step, metrics, seconds):
+        """The log record and line of a step's metrics (loss, lr, grad_norm and any added to them). tok/s is
+        over all ranks (which keep in step), MFU over all devices; memory is rank 0's."""
         tokens_per_s = self.tokens_per_step / seconds
-        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                  "tokens": (step + 1) * self.tokens_per_step, "ms": seconds * 1000, "tok_per_s": tokens_per_s,
-                  "peak_mem_gib": peak_memory_gib(self.device),
+        record = {"step": step, **metrics, "tokens": (step + 1) * self.tokens_per_step, "ms": seconds * 1000,
+                  "tok_per_s": tokens_per_s, "peak_mem_gib": peak_memory_gib(self.device),
                   "eta_s": seconds * (self.max_steps - 1 - step)}  # at this step's speed
-        line = (f"step {step:5d}/{self.max_steps} | loss {loss:.6f} | lr {lr:.4e} | norm {grad_norm:.4f} | "
-                f"{seconds * 1000:.1f} ms | {tokens_per_s:,.0f} tok/s | {record['tokens']:,} tokens | "
-                f"mem {record['peak_mem_gib']:.2f} GiB | eta {record['eta_s'] / 60:,.1f} min")
+        line = (f"step {step:5d}/{self.max_steps} | loss {metrics['loss']:.6f} | lr {metrics['lr']:.4e} | "
+                f"norm {metrics['grad_norm']:.4f} | ")
+        for name, value in metrics.items():  # the metrics added in train_step
+            if name not in ("loss", "lr", "grad_norm"):
+                line += f"{name} {value:.4g} | "
+        line += (f"{seconds * 1000:.1f} ms | {tokens_per_s:,.0f} tok/s | {record['tokens']:,} tokens | "
+                 f"mem {record['peak_mem_gib']:.2f} GiB | eta {record['eta_s'] / 60:,.1f} min")
         if self.peak_flops:
             record["mfu"] = self.flops_per_step / seconds / (self.peak_flops * world_size)
             line += f" | MFU {record['mfu'] * 100:.1f}%"
@@ -1276,9 +1213,10 @@ class StepLog:
 
 
 def flops_per_token(model, seq_len):
-    """Training FLOPs per token: 6N for the weight matmuls plus attention's 12 * L * d * T (PaLM, app. B)."""
-    n = num_params(model) - model.transformer.wpe.weight.numel()  # position lookups do no matmul
-    return 6 * n + 12 * model.config.n_layer * model.config.n_embd * seq_len
+    """Training FLOPs per token: 6 for each weight of a linear layer (a multiply and an add, forward and twice
+    backward), plus attention's 12 * L * d * T (PaLM, app. B). Lookups (embeddings) and norms do no matmul."""
+    linear_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    return 6 * linear_weights + 12 * model.config.n_layer * model.config.n_embd * seq_len
 
 
 def peak_memory_gib(device):
@@ -1302,15 +1240,17 @@ def request_stop(signum, frame):
     signal.signal(signum, signal.SIG_DFL)  # a second signal stops at once
 
 
-def sync_ranks(device, *values):
-    """The mean over the ranks of each value (device scalars), and last whether any rank was asked to stop:
-    one all-reduce of one tensor, which every rank calls at the same points (every step, and in evals)."""
-    values = torch.stack([*values, torch.tensor(float(stop_requested), device=device)])
+def sync_ranks(device, metrics=None):
+    """The mean over the ranks of each metric (a dict of device scalars), and whether any rank was asked to
+    stop: one all-reduce of one tensor, which every rank calls at the same points (every step, and in evals)."""
+    metrics = metrics or {}
+    stop_flag = torch.tensor(float(stop_requested), device=device)
+    values = torch.stack([*(value.float() for value in metrics.values()), stop_flag])
     if world_size > 1:
         dist.all_reduce(values)
     # a host sync, a step's only one; any rank's stop flag of 1 leaves the mean above 0
     *means, stop = (values / world_size).tolist()
-    return *means, stop > 0
+    return dict(zip(metrics, means)), stop > 0
 # ---- end shared: signals ----
 
 

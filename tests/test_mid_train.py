@@ -104,8 +104,9 @@ def test_step_loss_and_gradient_are_the_mean_over_every_target():
     expected.backward()
     batches = iter(zip(x, y))
     sgd = torch.optim.SGD(model.parameters(), lr=1.0)
-    loss, _ = mid_train.train_step(model, [sgd], torch.amp.GradScaler("cpu", enabled=False),
-                                      lambda: next(batches), 3, 65, 0.0, nullcontext())
+    metrics = mid_train.train_step(model, [sgd], torch.amp.GradScaler("cpu", enabled=False),
+                                   lambda: next(batches), 3, 65, 0.0, nullcontext())
+    loss = metrics["loss"]
     assert abs(loss.item() - expected.item()) < 1e-6, (loss, expected)  # finite, though a micro-batch learns nothing
     for before, after in zip(reference.parameters(), model.parameters()):  # one SGD step of lr 1 moved them by -grad
         torch.testing.assert_close(before.detach() - after.detach(), before.grad, rtol=0, atol=1e-6)
