@@ -381,13 +381,27 @@ def test_mfu_peak_is_looked_up_by_the_exact_device_name():
     assert peak_flops_of("NVIDIA H100") is None and peak_flops_of("NVIDIA GeForce RTX 4080") is None
 
 
-def test_dtype_auto_is_float32_on_cpu_and_float16_on_gpus_without_bf16_units(monkeypatch):
-    from train_gpt2 import autocast_dtype
-    assert autocast_dtype("auto", "cpu") == autocast_dtype("float32", "cpu") == torch.float32
-    assert autocast_dtype("bfloat16", "cpu") == torch.bfloat16
+def test_dtype_auto_is_bfloat16_on_cpus_with_bf16_units_and_float16_on_gpus_without(tmp_path, monkeypatch):
+    import train_gpt2
+    from train_gpt2 import autocast_dtype, cpu_has_bf16
+    # the CPU's bf16 units as Linux lists them in /proc/cpuinfo: AVX512-BF16 (Zen 4, Cooper Lake) or AMX
+    for flags, has_bf16 in (("avx512f avx512_bf16", True), ("amx_bf16 amx_tile", True), ("avx2 avx512f", False)):
+        (tmp_path / "cpuinfo").write_text(f"processor\t: 0\nflags\t\t: fpu sse2 avx {flags} avx512_vnni\n\n")
+        assert cpu_has_bf16(tmp_path / "cpuinfo") == has_bf16, flags
+    assert not cpu_has_bf16(tmp_path / "missing")  # macOS and Windows have no /proc/cpuinfo: float32
+    # this machine's own answer agrees with torch's, where torch has one (recent versions)
+    if sys.platform == "linux" and hasattr(torch.cpu, "get_capabilities"):
+        caps = torch.cpu.get_capabilities()
+        assert cpu_has_bf16() == bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+    for has_bf16, expected in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(train_gpt2, "cpu_has_bf16", lambda: has_bf16)
+        assert autocast_dtype("auto", "cpu") == expected
+        assert autocast_dtype("float32", "cpu") == torch.float32 and autocast_dtype("bfloat16", "cpu") == torch.bfloat16
     # a V100 or T4 emulates bf16 slowly: torch says it has bf16 unless emulation is left out
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
     assert autocast_dtype("auto", "cuda") == torch.float16
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert autocast_dtype("auto", "cuda:0") == torch.bfloat16 and autocast_dtype("float32", "cuda") == torch.float32
 
 
 def test_divergence_stops_at_once_and_keeps_the_good_checkpoints(shards, tmp_path):
