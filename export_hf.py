@@ -124,10 +124,18 @@ def main(argv=None):
     hf_model = GPT2LMHeadModel(config)
     if chat:  # generate() stops at the end of the assistant's reply
         hf_model.generation_config.eos_token_id = [enc.encode_single_token("<|assistant_end|>"), EOT_TOKEN]
-    missing, unexpected = hf_model.load_state_dict(hf_state_dict(model, enc.n_vocab), strict=False)
-    # causal-mask buffers
-    missing = [k for k in missing if not k.endswith((".attn.bias", ".attn.masked_bias"))]
-    assert not missing and not unexpected, f"weight names differ from GPT2LMHeadModel's: {missing} {unexpected}"
+    # A model changed from GPT-2's layout (RoPE, another MLP) has weights of other names or shapes: one line
+    # names the first. The causal-mask buffers are no weights.
+    ours = hf_state_dict(model, enc.n_vocab)
+    theirs = {name: value for name, value in hf_model.state_dict().items()
+              if not name.endswith((".attn.bias", ".attn.masked_bias"))}
+    our_shapes = {(name, tuple(value.shape)) for name, value in ours.items()}
+    their_shapes = {(name, tuple(value.shape)) for name, value in theirs.items()}
+    if our_shapes != their_shapes:
+        name, shape = min(our_shapes ^ their_shapes)
+        die(f"{path} holds a model of another layout than GPT-2's ({name}, of shape {shape}, is in one of them "
+            f"only): transformers' GPT2LMHeadModel cannot hold it")
+    hf_model.load_state_dict(ours, strict=False)  # strict=False: the causal-mask buffers are not ours
 
     # written into a temp folder, checked, then renamed, so that out_dir is never a half-written export
     tmp_dir = args.out_dir.rstrip("/") + ".tmp"

@@ -30,8 +30,10 @@ def test_muon_trains_resumes_exactly_and_ddp_matches(shards, tmp_path):
     ckpt = torch.load(tmp_path / "straight" / "ckpt_0000005.pt", weights_only=True)
     state = ckpt["optimizer"]["state"]  # both optimizers' state, keyed by parameter name
     assert "momentum_buffer" in state["transformer.h.0.mlp.c_fc.weight"] and "exp_avg" in state["transformer.wte.weight"]
-    groups = ckpt["optimizer"]["param_groups"]  # AdamW's (decay, no decay), then Muon's
-    assert [g["weight_decay"] for g in groups] == [0.1, 0.0, 0.01]
+    groups = ckpt["optimizer"]["param_groups"]  # AdamW's (decay, no decay), then Muon's, one a weight
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.0] + [0.01] * 8
+    # each block's marked layers: the fused query, key and value (3 parts), its projection, the MLP's two
+    assert [g["parts"] for g in groups[2:]] == [3, 1, 1, 1] * 2
 
     resumed = tmp_path / "resumed"
     resumed.mkdir()
@@ -91,3 +93,15 @@ def test_muon_weight_decay_is_its_own_flag(script):
     muon_lr, lr = muon.param_groups[0]["lr"], adamw.param_groups[0]["lr"]
     torch.testing.assert_close(W.detach(), W0 * (1 - muon_lr * 0.01))
     torch.testing.assert_close(wte.detach(), wte0 * (1 - lr * 0.1))
+
+
+def test_a_groups_own_learning_rate_survives_the_schedule():
+    """A parameter group given its own lr (a fork's: the embedding at 10x) keeps that ratio through the schedule,
+    which scales each group's own peak."""
+    model, (adamw, muon) = tiny_model_and_optimizers(train_gpt2.get_args, ["--optimizer", "muon"])
+    adamw.param_groups[0]["peak_lr"] *= 10
+    args = train_gpt2.get_args(["--optimizer", "muon", "--warmup_steps", "10"])
+    train_gpt2.set_schedule([adamw, muon], train_gpt2.lr_multiplier(3, args), 3, args)
+    assert adamw.param_groups[0]["lr"] == pytest.approx(10 * args.lr * 0.4)
+    assert adamw.param_groups[1]["lr"] == pytest.approx(args.lr * 0.4)
+    assert muon.param_groups[0]["lr"] == pytest.approx(args.muon_lr * 0.4)

@@ -86,7 +86,7 @@ def test_every_flag_has_help():
 
 
 def test_shared_blocks_exist_where_expected():
-    assert {"model", "loss", "tokenizer", "checkpoint", "distributed"} <= set(read_blocks(os.path.join(REPO, "train_gpt2.py")))
+    assert {"model", "step", "tokenizer", "checkpoint", "distributed"} <= set(read_blocks(os.path.join(REPO, "train_gpt2.py")))
 
 
 def test_help_shows_defaults(capsys, monkeypatch):

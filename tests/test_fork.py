@@ -1,0 +1,104 @@
+"""docs/forking.md's worked examples, applied as a researcher would: every edit on that page, in a copy of the repo,
+synced into the other scripts, then the fork trains, resumes exactly, samples and midtrains from its checkpoint."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO, TINY, read_log, train_losses
+from test_mid_train import MID, conversations, write_chat
+from sync_shared import SCRIPTS
+
+# an edit: the file, then the lines to find and the lines to put in their place, each in a python fence
+EDIT = re.compile(r"<!-- edit: (\S+) -->\n```python\n(.*?)```\nwith\n```python\n(.*?)```", re.S)
+
+
+def guide_edits():
+    with open(os.path.join(REPO, "docs", "forking.md")) as f:
+        return EDIT.findall(f.read())
+
+
+def run_in(fork, script, *args):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, script, *map(str, args)], cwd=fork, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def fork(shards, tmp_path_factory):
+    """A copy of the repo with every edit of the guide applied and synced, and the demo shards as .u32 files (the
+    guide's new data format)."""
+    fork = tmp_path_factory.mktemp("fork")
+    for script in SCRIPTS:
+        shutil.copy(os.path.join(REPO, script), fork)
+    os.makedirs(fork / "tests")
+    for name in ("sync_shared.py", "shared_blocks.json"):
+        shutil.copy(os.path.join(REPO, "tests", name), fork / "tests")
+    edits = guide_edits()
+    assert len(edits) >= 9, edits  # RoPE (4), QK-norm, activation, softcap, groups, metric, data format (2)
+    for script, old, new in edits:
+        with open(fork / script) as f:
+            text = f.read()
+        assert text.count(old) == 1, f"the guide's lines are not in {script} once:\n{old}"
+        with open(fork / script, "w") as f:
+            f.write(text.replace(old, new))
+    proc = run_in(fork, "tests/sync_shared.py")
+    assert proc.returncode == 0 and "synced mid_train.py" in proc.stdout, proc
+    sys.path.insert(0, REPO)
+    from train_gpt2 import find_shards, load_shard
+    os.makedirs(fork / "data")
+    for path in find_shards(shards, "train")[:2] + find_shards(shards, "val"):
+        name = os.path.basename(path).replace(".bin", ".u32")
+        load_shard(path).astype(np.uint32).tofile(fork / "data" / name)
+    return fork
+
+
+def test_guide_edits_reach_every_copy(fork):
+    for script in ("mid_train.py", "sample.py", "hellaswag.py", "export_hf.py"):
+        with open(fork / script) as f:
+            text = f.read()
+        assert "def rotate(x, start):" in text and "30 * torch.tanh(logits / 30)" in text, script
+        assert "wpe" not in text.split("# ---- shared: model ----")[1].split("# ---- end shared: model ----")[0]
+
+
+def test_forked_model_trains_resumes_exactly_samples_and_midtrains(fork):
+    flags = [*TINY, "--data_dir", "data", "--max_steps", 6, "--save_every", 3, "--eval_every", 3]
+    proc = run_in(fork, "train_gpt2.py", *flags, "--out_dir", "straight")
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"step +5/6 \| loss [\d.]+ \| lr [\d.e-]+ \| norm [\d.]+ \| max_logit [\d.]+ \|", proc.stdout)
+    records = [r for r in read_log(fork / "straight") if "loss" in r]
+    assert len(records) == 6 and all(0 < r["max_logit"] <= 30 for r in records)  # the metric, under the softcap
+    straight = train_losses(fork / "straight")
+    assert straight[5] < straight[0]
+
+    os.makedirs(fork / "resumed")
+    shutil.copy(fork / "straight" / "ckpt_0000003.pt", fork / "resumed")
+    proc = run_in(fork, "train_gpt2.py", *flags, "--out_dir", "resumed", "--resume")
+    assert proc.returncode == 0, proc.stderr
+    resumed = train_losses(fork / "resumed")
+    assert sorted(resumed) == [3, 4, 5] and all(resumed[s] == straight[s] for s in resumed), (straight, resumed)
+
+    proc = run_in(fork, "sample.py", "--ckpt", "straight", "--num_samples", 1, "--max_new_tokens", 8, "--prompt", "def")
+    assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr
+
+    # midtraining continues the forked model (its copy of the model block, synced)
+    write_chat(fork / "chat.jsonl", conversations(40))
+    proc = run_in(fork, "mid_train.py", *MID, "--init_ckpt", "straight", "--data", "chat:chat.jsonl",
+                  "--max_steps", 2, "--out_dir", "mid")
+    assert proc.returncode == 0 and "max_logit" in proc.stdout, proc.stderr
+
+    # the model GPT-2's weights do not fit: one line naming the first weight that differs
+    proc = run_in(fork, "export_hf.py", "--ckpt", "straight", "--out_dir", "hf")
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "wpe" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    check = ("import sys; sys.argv = ['x']; import train_gpt2 as t; from transformers import GPT2Config, GPT2LMHeadModel;"
+             "hf = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64));"
+             "t.load_hf_state_dict(t.GPT(t.GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=32)), hf.state_dict())")
+    proc = subprocess.run([sys.executable, "-c", check], cwd=fork, capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: OpenAI's GPT-2 weights do not fit"), proc.stderr
+    assert "transformer.wpe.weight" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
