@@ -67,14 +67,14 @@ def bench_variant(args, mode, dtype_name, device):
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     for _ in range(args.warmup):
-        loss, _ = tg.train_step(train_model, optimizers, scaler, batch, args.grad_accum, B * T * args.grad_accum,
-                                1.0, autocast_ctx)
+        loss = tg.train_step(train_model, optimizers, scaler, batch, args.grad_accum, B * T * args.grad_accum,
+                             1.0, autocast_ctx)["loss"]
     loss.item()
     step_seconds = []  # the median step: other load on the machine only ever slows some steps down
     for _ in range(args.steps):
         start = time.perf_counter()
-        loss, _ = tg.train_step(train_model, optimizers, scaler, batch, args.grad_accum, B * T * args.grad_accum,
-                                1.0, autocast_ctx)
+        loss = tg.train_step(train_model, optimizers, scaler, batch, args.grad_accum, B * T * args.grad_accum,
+                             1.0, autocast_ctx)["loss"]
         loss.item()
         sync(device)
         step_seconds.append(time.perf_counter() - start)

@@ -159,7 +159,7 @@ def install():
 
     class TensorsOnTheCPU(TorchFunctionMode):
         """Every torch function called from Python: a GPU given as its device, or to Tensor.to, is the CPU; pinning
-        keeps the tensor; a custom operator runs its Python body; and a tensor larger than the GPU's memory is
+        keeps the tensor; and a tensor larger than the GPU's memory is
         CUDA's out-of-memory error."""
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -168,13 +168,6 @@ def install():
             # CPU already), so that the graph holds the model's calls alone
             if torch.compiler.is_compiling():
                 return func(*args, **kwargs)
-            # A custom operator of ours (the trainers' chunked loss) is opaque to this mode: its Python body runs
-            # here instead, as plain torch calls, so that the fake sees the tensors it makes, as a GPU's allocator
-            if isinstance(func, torch._ops.OpOverload):
-                opdef = torch._library.custom_ops._maybe_get_opdef(func)
-                if opdef is not None:
-                    with self:  # the mode is off while it handles a call: on again for the body's calls
-                        return opdef._init_fn(*args, **kwargs)
             if func is torch.Tensor.pin_memory:
                 trace("pin_memory")
                 return args[0]
