@@ -224,7 +224,7 @@ ROLE_TOKENS = {role: (f"<|{role}_start|>", f"<|{role}_end|>") for role in ("syst
 
 def get_chat_tokenizer():
     """The gpt2 tokenizer plus the chat special tokens."""
-    return get_tokenizer({token: EOT_TOKEN + 1 + i for i, token in enumerate(CHAT_TOKENS)})
+    return get_tokenizer({token: i for i, token in enumerate(CHAT_TOKENS, EOT_TOKEN + 1)})
 
 
 def render_conversation(enc, messages):

@@ -173,9 +173,8 @@ def evaluate_hellaswag(model, examples, enc, device, batch_size=8, autocast_ctx=
         for pred, pred_norm, (_, _, label) in zip(by_sum, by_mean, batch):
             correct += pred == label
             correct_norm += pred_norm == label
-    counts = torch.tensor([correct, correct_norm, len(rendered), cropped])
+    counts = torch.tensor([correct, correct_norm, len(rendered), cropped], device=device)
     if split_ranks and world_size > 1:  # summed over the ranks in one all-reduce
-        counts = counts.to(device)
         dist.all_reduce(counts)
     correct, correct_norm, count, cropped = counts.tolist()
     if cropped:
@@ -255,17 +254,18 @@ def write_file(path, write, fix):
     """Write a file whole or not at all: write(f) into path.tmp, fsync it, rename it over path (after a crash
     there is the old file or the new one, never a part). A failed write (a full disk, a quota) is one line
     naming the file, the cause and the fix; its .tmp goes."""
+    tmp = path + ".tmp"
     try:
-        with open(path + ".tmp", "wb") as f:
+        with open(tmp, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(path + ".tmp", path)
+        os.replace(tmp, path)
     # torch.save reports a failed write as a RuntimeError raised from the OSError
     except (OSError, RuntimeError) as e:
         cause = next((c for c in (e, e.__cause__, e.__context__) if isinstance(c, OSError)), e)
-        if os.path.exists(path + ".tmp"):
-            os.remove(path + ".tmp")
+        if os.path.exists(tmp):
+            os.remove(tmp)
         die(f"cannot write {path} ({getattr(cause, 'strerror', None) or cause}); {fix}")
 # ---- end shared: files ----
 
@@ -497,7 +497,7 @@ def hub_reachable():
 
 
 # ---- shared: distributed ----
-def init_distributed(device="auto"):
+def init_distributed(device):
     """The device, checked, a GPU by its index (cuda:N); and under torchrun the process group (NCCL on CUDA,
     gloo elsewhere), one GPU a process."""
     if device == "auto":

@@ -78,10 +78,10 @@ def die(message):
 # -----------------------------------------------------------------------------
 # flags
 
-HUB_SOURCES = {  # what `KIND:hub` loads through `datasets`
-    "chat": ("HuggingFaceTB/smol-smoltalk", None, "train"),
-    "mmlu": ("cais/mmlu", "auxiliary_train", "train"),
-    "gsm8k": ("openai/gsm8k", "main", "train"),
+HUB_SOURCES = {  # what `KIND:hub` loads through `datasets`, (name, config), of which the train split
+    "chat": ("HuggingFaceTB/smol-smoltalk", None),
+    "mmlu": ("cais/mmlu", "auxiliary_train"),
+    "gsm8k": ("openai/gsm8k", "main"),
 }
 
 # --demo: train_gpt2.py --demo's model taught to answer questions about the stdlib, in 1-2 min on 2 cores, on
@@ -171,10 +171,10 @@ def get_args(argv=None):
     if args.demo:  # the preset changes the defaults; flags given explicitly still win
         p.set_defaults(**{k: v for k, v in DEMO_PRESET.items() if not (k == "init_ckpt" and args.init_from)})
         args = p.parse_args(argv)
-    if not args.resume and (args.init_ckpt is None) == (args.init_from is None):
-        die("start from a base checkpoint with --init_ckpt, or from OpenAI's weights with --init_from gpt2")
     if args.resume:
         args = resume_args(p, argv, fixed=("init_ckpt", "init_from", "optimizer", "seed", "val_fraction"))
+    elif (args.init_ckpt is None) == (args.init_from is None):
+        die("start from a base checkpoint with --init_ckpt, or from OpenAI's weights with --init_from gpt2")
     if args.demo and args.data == DEMO_PRESET["data"] and not os.path.exists("data/demo/chat.jsonl"):
         die("--demo trains on data/demo/chat.jsonl, which is missing: run python prepare_fineweb.py --demo first")
     demo_start_missing = (args.init_ckpt and not os.path.isfile(args.init_ckpt)
@@ -327,7 +327,7 @@ ROLE_TOKENS = {role: (f"<|{role}_start|>", f"<|{role}_end|>") for role in ("syst
 
 def get_chat_tokenizer():
     """The gpt2 tokenizer plus the chat special tokens."""
-    return get_tokenizer({token: EOT_TOKEN + 1 + i for i, token in enumerate(CHAT_TOKENS)})
+    return get_tokenizer({token: i for i, token in enumerate(CHAT_TOKENS, EOT_TOKEN + 1)})
 
 
 def render_conversation(enc, messages):
@@ -359,7 +359,8 @@ def parse_source(spec):
     match = re.fullmatch(r"(\w+):(.+?)(?::(\d+))?", spec)
     if not match or match[1] not in HUB_SOURCES:
         die(f"--data {spec}: expected KIND:PATH[:EPOCHS] with KIND one of {', '.join(HUB_SOURCES)}")
-    kind, path, epochs = match[1], match[2], int(match[3] or 1)
+    kind, path, epochs = match.groups()
+    epochs = int(epochs or 1)
     if epochs < 1:
         die(f"--data {spec}: EPOCHS must be 1 or more")
     return kind, path, epochs
@@ -407,12 +408,9 @@ def read_mmlu_csv(path):
     except UnicodeDecodeError as e:
         line_no = data[:e.start].count(b"\n") + 1
         die(f"{path}:{line_no} is not UTF-8 text; convert the file to UTF-8")
-    rows = list(csv.reader(io.StringIO(text, newline="")))
-    first_row_no = 1
-    if rows and rows[0][:1] == ["question"]:  # the header
-        rows = rows[1:]
-        first_row_no = 2
-    for row_no, row in enumerate(rows, first_row_no):
+    for row_no, row in enumerate(csv.reader(io.StringIO(text, newline="")), 1):
+        if row_no == 1 and row[:1] == ["question"]:  # the header
+            continue
         if len(row) != 6 or row[5] not in list("ABCD0123"):
             die(f"{path}: row {row_no} is not question, 4 choices and the answer (0-3 or A-D)")
         answer = "ABCD0123".index(row[5]) % 4  # A-D or 0-3
@@ -425,8 +423,7 @@ def load_source(kind, path):
         if not hub_reachable():
             die(f"cannot reach the Hugging Face hub for {kind}:hub; offline, give local files, e.g. --data {kind}:path")
         import datasets
-        name, config, split = HUB_SOURCES[kind]
-        dataset = datasets.load_dataset(name, config, split=split)
+        dataset = datasets.load_dataset(*HUB_SOURCES[kind], split="train")
         rows = ((row, f"{kind}:hub row {i}") for i, row in enumerate(dataset))
     else:
         pattern = "*.csv" if kind == "mmlu" else "*.jsonl"
@@ -439,20 +436,20 @@ def load_source(kind, path):
     for row, where in rows:
         if kind == "chat":  # {"messages": [...]} or the bare list
             messages = row.get("messages") if isinstance(row, dict) else row
-        elif kind == "gsm8k":
-            has_text = isinstance(row, dict) and all(isinstance(row.get(k), str) for k in ("question", "answer"))
-            if not has_text:
-                die(f"{where}: a GSM8K row needs question and answer, both strings")
-            # drop the calculator annotations, keep "#### <number>"
-            answer = re.sub(r"<<[^>]*>>", "", row["answer"])
-            messages = [{"role": "user", "content": row["question"]},
-                        {"role": "assistant", "content": answer}]
-        else:  # mmlu
-            row = row.get("train", row)  # the hub's auxiliary_train nests its rows
-            options = "\n".join(f"{letter}. {choice}" for letter, choice in zip("ABCD", row["choices"]))
-            prompt = f"{row['question']}\n\n{options}\n\nAnswer with the letter of the correct choice."
-            answer = "ABCD"[int(row["answer"])]
-            messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+        else:  # a question and its answer
+            if kind == "gsm8k":
+                has_text = isinstance(row, dict) and all(isinstance(row.get(k), str) for k in ("question", "answer"))
+                if not has_text:
+                    die(f"{where}: a GSM8K row needs question and answer, both strings")
+                question = row["question"]
+                # drop the calculator annotations, keep "#### <number>"
+                answer = re.sub(r"<<[^>]*>>", "", row["answer"])
+            else:  # mmlu
+                row = row.get("train", row)  # the hub's auxiliary_train nests its rows
+                options = "\n".join(f"{letter}. {choice}" for letter, choice in zip("ABCD", row["choices"]))
+                question = f"{row['question']}\n\n{options}\n\nAnswer with the letter of the correct choice."
+                answer = "ABCD"[int(row["answer"])]
+            messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
         conversations.append(check_conversation(messages, where))
     return conversations
 
@@ -524,32 +521,25 @@ def build_data(args, enc, capacity):
             arrays.append(rows_to_arrays(rows, items, capacity))
             cropped += crops
         # the split's tokens, its loss mask, its conversations (with epochs) and how many were cropped
-        splits[name] = (np.concatenate([tokens for tokens, _ in arrays]),
-                        np.concatenate([mask for _, mask in arrays]),
-                        sum(len(items) for items in parts),
-                        cropped)
+        tokens, masks = zip(*arrays)
+        splits[name] = (np.concatenate(tokens), np.concatenate(masks), sum(map(len, parts)), cropped)
     return splits
 
 
 class RowLoader:
     """(B, T) inputs and targets (-1 where no loss) on the device, from packed rows; each rank reads its own
-    B rows of every B * world_size. The row position is all the state there is; it goes in checkpoints."""
+    B rows of every B * world_size. The row position, pos, is all the state there is; it goes in checkpoints."""
 
     def __init__(self, tokens, mask, B, rank, world_size, device="cpu"):
         # uint16: widened a batch at a time
         self.tokens, self.mask = torch.from_numpy(tokens), torch.from_numpy(mask)
-        self.B, self.rank, self.world_size, self.device = B, rank, world_size, device
+        self.B, self.rank, self.device = B, rank, device
+        self.micro_step_rows = B * world_size  # the rows of a micro-batch on every rank
         self.pos = 0
-
-    def state(self):
-        return {"pos": self.pos}
-
-    def load_state(self, state):
-        self.pos = state["pos"]
 
     def batch_start(self, pos):
         """Where the micro-batch at pos really starts: 0 when too few rows are left, for another pass."""
-        return pos if pos + self.B * self.world_size <= len(self.tokens) else 0
+        return pos if pos + self.micro_step_rows <= len(self.tokens) else 0
 
     def step_tokens(self, micro_batches):
         """Targets (tokens learned) in the next micro_batches batches of all ranks, what the step's loss is
@@ -557,14 +547,14 @@ class RowLoader:
         pos, count = self.pos, 0
         for _ in range(micro_batches):
             pos = self.batch_start(pos)
-            count += int(self.mask[pos: pos + self.B * self.world_size, 1:].sum())
-            pos += self.B * self.world_size
+            count += int(self.mask[pos: pos + self.micro_step_rows, 1:].sum())
+            pos += self.micro_step_rows
         return count
 
     def next_batch(self):
         self.pos = self.batch_start(self.pos)
         rows = slice(self.pos + self.B * self.rank, self.pos + self.B * (self.rank + 1))
-        self.pos += self.B * self.world_size
+        self.pos += self.micro_step_rows
         x = self.tokens[rows, :-1].long()
         y = self.tokens[rows, 1:].long().masked_fill(~self.mask[rows, 1:], -1)
         if self.device.startswith("cuda"):  # pinned: the copy to the GPU runs alongside the compute
@@ -614,9 +604,8 @@ def train_step(model, optimizers, scaler, next_batch, grad_accum_steps, step_tok
         grad_norm = grad_norm.full_tensor()
     for opt in optimizers:
         scaler.step(opt)
-    scaler.update()
-    for opt in optimizers:
         opt.zero_grad(set_to_none=True)
+    scaler.update()
     metrics["loss"] = loss_accum
     metrics["grad_norm"] = grad_norm
     return metrics
@@ -634,7 +623,7 @@ def main(argv=None):
 
     # ---- take the out_dir before any work
     if master_process:
-        prepare_out_dir(args.out_dir, "--out_dir")
+        prepare_out_dir(args.out_dir)
 
     # ---- the model: the checkpoint to resume, a base checkpoint of ours, or OpenAI's weights
     checkpoint = None
@@ -654,19 +643,23 @@ def main(argv=None):
     T = args.seq_len or raw_model.config.block_size
     if T > raw_model.config.block_size:
         die(f"--seq_len {T} is beyond the model's context of {raw_model.config.block_size}; lower --seq_len")
-    micro_step_tokens = B * T * world_size  # one micro-batch on every rank
+    micro_step_rows = B * world_size  # one micro-batch on every rank
+    micro_step_tokens = micro_step_rows * T
     total_batch_size = args.total_batch_size or micro_step_tokens
     grad_accum_steps, rest = divmod(total_batch_size, micro_step_tokens)
     if rest:
         die(f"--total_batch_size {total_batch_size} is not divisible by micro_batch_size * seq_len * "
             f"world_size = {B} * {T} * {world_size}; change --total_batch_size or --micro_batch_size")
-    set_memory_advice(micro_batch_advice(B, T, total_batch_size))  # for the out-of-memory line
+    # what the out-of-memory line will advise
+    set_memory_advice(f"the micro-batch is --micro_batch_size {B} x --seq_len {T}; lower --micro_batch_size "
+                      f"(gradient accumulation keeps --total_batch_size {total_batch_size}); if 1 does not fit, the "
+                      f"model and its optimizer state do not: a smaller model, or --fsdp over several GPUs")
 
     # ---- the data: conversations rendered and packed into rows of T + 1 tokens
     splits = build_data(args, enc, T + 1)
     train_tokens, train_mask, n_train, cropped = splits["train"]
     val_tokens, val_mask, n_val, _ = splits["val"]
-    if len(train_tokens) < B * world_size:
+    if len(train_tokens) < micro_step_rows:
         die(f"{len(train_tokens)} packed train rows ({n_train} conversations; --val_fraction {args.val_fraction} "
             f"held out {n_val}), fewer than one micro-batch over all ranks; lower --micro_batch_size or "
             f"--val_fraction, or give more data")
@@ -680,14 +673,14 @@ def main(argv=None):
         die(f"--resume with other data: {len(train_tokens)} train rows now, {checkpoint['num_train_rows']} in the "
             f"checkpoint; resume with the same --data, --seq_len and --seed")
     if not args.max_steps:  # one pass over the train rows
-        args.max_steps = max(1, len(train_tokens) // (B * world_size * grad_accum_steps))
+        args.max_steps = max(1, len(train_tokens) // (micro_step_rows * grad_accum_steps))
 
     # ---- the loaders
     train_loader = RowLoader(train_tokens, train_mask, B, rank, world_size, device)
     # Every rank must run as many val batches as the others (the stop check, the all-reduce and FSDP's
     # forwards are collectives): the val rows are padded to whole micro-batches on every rank, with rows that
     # have no target (they add nothing to the loss or its count).
-    pad = -len(val_tokens) % (B * world_size)
+    pad = -len(val_tokens) % micro_step_rows
     val_tokens = np.concatenate([val_tokens, np.full((pad, T + 1), EOT_TOKEN, val_tokens.dtype)])
     val_mask = np.concatenate([val_mask, np.zeros((pad, T + 1), bool)])
     val_loader = RowLoader(val_tokens, val_mask, B, rank, world_size, device)
@@ -705,27 +698,23 @@ def main(argv=None):
     if checkpoint:
         start_step, val_loss, wandb_run_id = restore_training_state(checkpoint, raw_model, optimizers,
                                                                     scaler)
-        train_loader.load_state(checkpoint["loader"])
+        train_loader.pos = checkpoint["loader"]["pos"]
         print0(f"resuming from {args.resume_checkpoint} at step {start_step}")
         del checkpoint
     log, wandb_run = open_run_log(args, start_step, wandb_run_id)
-    parallelism = "one process"
-    if world_size > 1:
-        parallelism = "FSDP" if args.fsdp else "DDP"
     print0(f"{num_params(raw_model):,} parameters, {parameter_mib(raw_model):.1f} MiB of them per rank "
-           f"({parallelism}) | {device} {str(dtype).removeprefix('torch.')} | {args.max_steps} steps of "
-           f"{total_batch_size:,} tokens = {grad_accum_steps} x {B} x {T} x {world_size}")
+           f"({'one process' if world_size == 1 else 'FSDP' if args.fsdp else 'DDP'}) | {device} "
+           f"{str(dtype).removeprefix('torch.')} | {args.max_steps} steps of {total_batch_size:,} tokens = "
+           f"{grad_accum_steps} x {B} x {T} x {world_size}")
     print0(f"{n_train:,} train conversations (with epochs) in {len(train_tokens):,} rows of {T + 1} tokens, "
            f"{cropped} cropped; {n_val:,} val conversations in {len(val_tokens) - pad:,} rows")
-    if use_compile(args.compile, device):
-        print0("compiling the model (the first step takes a minute or more)", flush=True)
 
     @torch.no_grad()
     def evaluate_val_loss():
         """The mean loss per learned token over the whole val split; None when a stop signal cut it short."""
-        val_loader.load_state({"pos": 0})
+        val_loader.pos = 0
         sums = torch.zeros(2, device=device)  # the loss summed over the learned tokens, and their count
-        for i in progress(range(len(val_tokens) // (B * world_size)), "val loss"):
+        for i in progress(range(len(val_tokens) // micro_step_rows), "val loss"):
             # a stop signal is asked about every 16 batches: a preempted job saves within seconds
             if i % 16 == 15:
                 _, stop = sync_ranks(device)
@@ -741,7 +730,7 @@ def main(argv=None):
 
     def save_checkpoint(step):
         save_training_checkpoint(raw_model, optimizers, scaler, args, step, kind="mid",
-                                 loader=train_loader.state(), val_loss=val_loss,
+                                 loader={"pos": train_loader.pos}, val_loss=val_loss,
                                  wandb_run_id=wandb_run.id if wandb_run else None, chat_tokens=CHAT_TOKENS,
                                  num_train_rows=len(train_tokens))
 
@@ -762,8 +751,8 @@ def main(argv=None):
             if not stop:
                 val_loss = step_val_loss
                 if not math.isfinite(val_loss):
-                    lr = optimizers[0].param_groups[0]["lr"]
-                    stop_diverged(step, f"val loss {val_loss}", lr, args.out_dir, saved_at_step=False)
+                    stop_diverged(step, f"val loss {val_loss}", optimizers[0].param_groups[0]["lr"], args.out_dir,
+                                  saved_at_step=False)
                 log({"step": step, "val_loss": val_loss}, f"step {step:5d} | val loss {val_loss:.4f}")
         if stop:
             save_checkpoint(step)
@@ -786,7 +775,8 @@ def main(argv=None):
                        flush=True)
 
         # once in a while save a checkpoint (its life: the "checkpoint_life" block)
-        if step > start_step and (step % args.save_every == 0 or last_step):
+        saved_at_step = step > start_step and (step % args.save_every == 0 or last_step)
+        if saved_at_step:
             save_checkpoint(step)
         if last_step:
             prune_checkpoints(args.out_dir, step, args.keep_checkpoints)
@@ -803,7 +793,6 @@ def main(argv=None):
         seconds = time.perf_counter() - t0
         metrics["lr"] = optimizers[0].param_groups[0]["lr"]  # the lr AdamW stepped with
         loss, grad_norm = metrics["loss"], metrics["grad_norm"]
-        saved_at_step = step > start_step and step % args.save_every == 0
         # Diverged? (float16's grad scaler skips a step whose gradients overflow: an infinite norm is no
         # divergence there.)
         if not math.isfinite(loss) or (not scaler.is_enabled() and not math.isfinite(grad_norm)):
@@ -827,7 +816,7 @@ def main(argv=None):
 # keeps them equal).
 
 # ---- shared: distributed ----
-def init_distributed(device="auto"):
+def init_distributed(device):
     """The device, checked, a GPU by its index (cuda:N); and under torchrun the process group (NCCL on CUDA,
     gloo elsewhere), one GPU a process."""
     if device == "auto":
@@ -881,23 +870,16 @@ def autocast_context(device_type, dtype):
 
 
 # ---- shared: setup ----
-def micro_batch_advice(B, T, total_batch_size):
-    """The out-of-memory line's advice in the trainers: the micro-batch that failed, and what to lower."""
-    return (f"the micro-batch is --micro_batch_size {B} x --seq_len {T}; lower --micro_batch_size (gradient "
-            f"accumulation keeps --total_batch_size {total_batch_size}); if 1 does not fit, the model and its "
-            f"optimizer state do not: a smaller model, or --fsdp over several GPUs")
-
-
 def setup_training(raw_model, args, dtype, device):
     """Sharding, optimizers, DDP and compile, in the order they must happen, for init_distributed's device.
     Returns the module that trains and evaluates (DDP-wrapped and/or compiled), the optimizers, the grad scaler
     (float16 only) and the autocast context."""
     device = torch.device(device)
     autocast_ctx = autocast_context(device.type, dtype)
-    if args.fsdp and (world_size < 2 or args.optimizer == "muon" or dtype == torch.float16):
-        die("--fsdp shards AdamW in bfloat16 or float32 over processes: launch with torchrun --nproc_per_node=N, "
-            "without --optimizer muon or float16 (give --dtype float32 on a GPU without bfloat16)")
     if args.fsdp:
+        if world_size < 2 or args.optimizer == "muon" or dtype == torch.float16:
+            die("--fsdp shards AdamW in bfloat16 or float32 over processes: launch with torchrun --nproc_per_node=N, "
+                "without --optimizer muon or float16 (give --dtype float32 on a GPU without bfloat16)")
         # FSDP2: each block, then the rest (embedding tied with the head, final norm). With bfloat16 the
         # blocks compute in it from fp32 master weights, and gradients are reduced in fp32.
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
@@ -910,11 +892,13 @@ def setup_training(raw_model, args, dtype, device):
         torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and newer
     # the optimizers come after sharding: FSDP replaces the parameters
     optimizers = make_optimizers(raw_model, args, device.type)
-    compile_model = use_compile(args.compile, device.type)
+    # auto: on CUDA only, as on a CPU compiling gains less than the minute it takes
+    compile_model = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
+    if compile_model:
+        print0("compiling the model (the first step takes a minute or more)", flush=True)
     model = raw_model
     if world_size > 1 and not args.fsdp:
-        device_ids = [device.index] if device.type == "cuda" else None  # a GPU a process
-        model = DDP(raw_model, device_ids=device_ids)
+        model = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None)  # a GPU a process
         # Compiled in place, DDP stays a DDP (for its gradient-sync switch), and Dynamo's DDPOptimizer splits
         # the graph at the gradient buckets, so that each bucket's all-reduce overlaps the rest of the
         # backward. Evals run its forward under no_grad, with no gradient sync.
@@ -923,10 +907,6 @@ def setup_training(raw_model, args, dtype, device):
     elif compile_model:
         model = torch.compile(raw_model)
     return model, optimizers, scaler, autocast_ctx
-
-
-def use_compile(compile_arg, device):
-    return compile_arg == "on" or (compile_arg == "auto" and str(device).startswith("cuda"))
 
 
 def num_params(model):
@@ -968,7 +948,7 @@ class Muon(torch.optim.Optimizer):
     replaced by its nearest orthogonal matrix. For the hidden matrices only; under DDP every rank computes
     the same update."""
 
-    def __init__(self, params, lr=0.02, momentum=0.95, weight_decay=0.0):
+    def __init__(self, params, lr, momentum, weight_decay):
         # parts: a weight that stacks several matrices (query, key, value) is orthogonalized a part at a time
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, parts=1))
 
@@ -986,8 +966,7 @@ class Muon(torch.optim.Optimizer):
                 update = p.grad.lerp(buf, group["momentum"])  # Nesterov
                 # The attention's fused weight (3C x C) is three C x C maps, Q, K and V: each is
                 # orthogonalized on its own (as modded-nanogpt does), not the stack as one tall matrix.
-                blocks = update.view(group["parts"], -1, p.size(1))
-                blocks = zeropower_via_newtonschulz5(blocks)
+                blocks = zeropower_via_newtonschulz5(update.view(group["parts"], -1, p.size(1)))
                 # a tall block is scaled up to the per-entry size of a square one: sqrt(rows / cols), as
                 # modded-nanogpt does
                 scale = max(1, blocks.size(-2) / blocks.size(-1)) ** 0.5
@@ -1055,28 +1034,27 @@ def exit_on_out_of_memory(main):
 
 
 # ---- shared: out_dir ----
-def prepare_out_dir(path, flag):
-    """Create an output folder and take its .lock, refusing a folder that a live run writes into, before any
+def prepare_out_dir(path):
+    """Create the --out_dir folder and take its .lock, refusing a folder that a live run writes into, before any
     work starts. Then remove the *.tmp of a killed save: finished files are renamed from them, never the only
     copy."""
     import fcntl
-    import socket
     try:
         os.makedirs(path, exist_ok=True)
         fd = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
-        die(f"{flag} {path} cannot be created or written ({e.strerror}); give another folder or fix its permissions")
+        die(f"--out_dir {path} cannot be created or written ({e.strerror}); give another folder or fix its permissions")
     # a POSIX lock is the kernel's: it goes with its process (SIGKILL, a crash); the fd stays open till then
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+        os.pwrite(fd, f"pid {os.getpid()} on host {os.uname().nodename}\n".encode(), 0)
     except (BlockingIOError, PermissionError):  # EAGAIN, EACCES: another process holds the lock
         holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a run that is starting"
-        die(f"{flag} {path} is in use by a running run ({holder}); wait for it to end or stop it, or give "
-            f"another {flag}")
+        die(f"--out_dir {path} is in use by a running run ({holder}); wait for it to end or stop it, or give "
+            f"another --out_dir")
     except OSError as e:  # ENOLCK & co: some network file systems
-        print(f"{flag} {path}: this file system cannot lock files ({e.strerror}); a second run into it is not "
+        print(f"--out_dir {path}: this file system cannot lock files ({e.strerror}); a second run into it is not "
               f"refused", file=sys.stderr)
     # Only now, with the lock held, can no live run be saving here: the .tmp files are a killed save's.
     stale = sorted(glob.glob(os.path.join(path, "*.tmp")))
@@ -1135,8 +1113,7 @@ def resume_args(parser, argv, fixed):
     """--resume: the flags of the newest readable checkpoint in out_dir become the defaults, so that a flag
     given changes only itself, and the `fixed` ones (the model's shape, the optimizer) must stay. The
     checkpoint's path is args.resume_checkpoint."""
-    out_dir = parser.parse_args(argv).out_dir
-    checkpoint, path = load_checkpoint(out_dir, mmap=True)  # no tensor is read yet
+    checkpoint, path = load_checkpoint(parser.parse_args(argv).out_dir, mmap=True)  # no tensor is read yet
     saved = dict(checkpoint["args"])
     for key in fixed:  # the model's shape as built: args hold None where --model gave it
         if key in checkpoint["config"]:
@@ -1374,16 +1351,15 @@ class StepLog:
     def record(self, step, metrics, seconds):
         """The log record and line of a step's metrics (loss, lr, grad_norm and any added to them). tok/s is
         over all ranks (which keep in step), MFU over all devices; memory is rank 0's."""
-        tokens_per_s = self.tokens_per_step / seconds
         record = {"step": step, **metrics, "tokens": (step + 1) * self.tokens_per_step, "ms": seconds * 1000,
-                  "tok_per_s": tokens_per_s, "peak_mem_gib": peak_memory_gib(self.device),
+                  "tok_per_s": self.tokens_per_step / seconds, "peak_mem_gib": peak_memory_gib(self.device),
                   "eta_s": seconds * (self.max_steps - 1 - step)}  # at this step's speed
         line = (f"step {step:5d}/{self.max_steps} | loss {metrics['loss']:.6f} | lr {metrics['lr']:.4e} | "
                 f"norm {metrics['grad_norm']:.4f} | ")
         for name, value in metrics.items():  # the metrics added in train_step
             if name not in ("loss", "lr", "grad_norm"):
                 line += f"{name} {value:.4g} | "
-        line += (f"{seconds * 1000:.1f} ms | {tokens_per_s:,.0f} tok/s | {record['tokens']:,} tokens | "
+        line += (f"{seconds * 1000:.1f} ms | {record['tok_per_s']:,.0f} tok/s | {record['tokens']:,} tokens | "
                  f"mem {record['peak_mem_gib']:.2f} GiB | eta {record['eta_s'] / 60:,.1f} min")
         if self.peak_flops:
             record["mfu"] = self.flops_per_step / seconds / (self.peak_flops * world_size)
@@ -1492,17 +1468,18 @@ def write_file(path, write, fix):
     """Write a file whole or not at all: write(f) into path.tmp, fsync it, rename it over path (after a crash
     there is the old file or the new one, never a part). A failed write (a full disk, a quota) is one line
     naming the file, the cause and the fix; its .tmp goes."""
+    tmp = path + ".tmp"
     try:
-        with open(path + ".tmp", "wb") as f:
+        with open(tmp, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(path + ".tmp", path)
+        os.replace(tmp, path)
     # torch.save reports a failed write as a RuntimeError raised from the OSError
     except (OSError, RuntimeError) as e:
         cause = next((c for c in (e, e.__cause__, e.__context__) if isinstance(c, OSError)), e)
-        if os.path.exists(path + ".tmp"):
-            os.remove(path + ".tmp")
+        if os.path.exists(tmp):
+            os.remove(tmp)
         die(f"cannot write {path} ({getattr(cause, 'strerror', None) or cause}); {fix}")
 # ---- end shared: files ----
 

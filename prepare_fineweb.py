@@ -231,7 +231,7 @@ def tokenized(documents, workers):
 
 def main(argv=None):
     args = get_args(argv)
-    prepare_out_dir(args.out_dir, "--out_dir")
+    prepare_out_dir(args.out_dir)
     if args.demo:
         source = f"python stdlib docstrings and pydoc topics ({sysconfig.get_paths()['stdlib']})"
         documents, names = stdlib_texts()
@@ -340,28 +340,27 @@ positive_int, nonneg_int = ranged(int, 1), ranged(int, 0)
 
 
 # ---- shared: out_dir ----
-def prepare_out_dir(path, flag):
-    """Create an output folder and take its .lock, refusing a folder that a live run writes into, before any
+def prepare_out_dir(path):
+    """Create the --out_dir folder and take its .lock, refusing a folder that a live run writes into, before any
     work starts. Then remove the *.tmp of a killed save: finished files are renamed from them, never the only
     copy."""
     import fcntl
-    import socket
     try:
         os.makedirs(path, exist_ok=True)
         fd = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
-        die(f"{flag} {path} cannot be created or written ({e.strerror}); give another folder or fix its permissions")
+        die(f"--out_dir {path} cannot be created or written ({e.strerror}); give another folder or fix its permissions")
     # a POSIX lock is the kernel's: it goes with its process (SIGKILL, a crash); the fd stays open till then
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+        os.pwrite(fd, f"pid {os.getpid()} on host {os.uname().nodename}\n".encode(), 0)
     except (BlockingIOError, PermissionError):  # EAGAIN, EACCES: another process holds the lock
         holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a run that is starting"
-        die(f"{flag} {path} is in use by a running run ({holder}); wait for it to end or stop it, or give "
-            f"another {flag}")
+        die(f"--out_dir {path} is in use by a running run ({holder}); wait for it to end or stop it, or give "
+            f"another --out_dir")
     except OSError as e:  # ENOLCK & co: some network file systems
-        print(f"{flag} {path}: this file system cannot lock files ({e.strerror}); a second run into it is not "
+        print(f"--out_dir {path}: this file system cannot lock files ({e.strerror}); a second run into it is not "
               f"refused", file=sys.stderr)
     # Only now, with the lock held, can no live run be saving here: the .tmp files are a killed save's.
     stale = sorted(glob.glob(os.path.join(path, "*.tmp")))
@@ -378,17 +377,18 @@ def write_file(path, write, fix):
     """Write a file whole or not at all: write(f) into path.tmp, fsync it, rename it over path (after a crash
     there is the old file or the new one, never a part). A failed write (a full disk, a quota) is one line
     naming the file, the cause and the fix; its .tmp goes."""
+    tmp = path + ".tmp"
     try:
-        with open(path + ".tmp", "wb") as f:
+        with open(tmp, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(path + ".tmp", path)
+        os.replace(tmp, path)
     # torch.save reports a failed write as a RuntimeError raised from the OSError
     except (OSError, RuntimeError) as e:
         cause = next((c for c in (e, e.__cause__, e.__context__) if isinstance(c, OSError)), e)
-        if os.path.exists(path + ".tmp"):
-            os.remove(path + ".tmp")
+        if os.path.exists(tmp):
+            os.remove(tmp)
         die(f"cannot write {path} ({getattr(cause, 'strerror', None) or cause}); {fix}")
 # ---- end shared: files ----
 

@@ -278,7 +278,7 @@ ROLE_TOKENS = {role: (f"<|{role}_start|>", f"<|{role}_end|>") for role in ("syst
 
 def get_chat_tokenizer():
     """The gpt2 tokenizer plus the chat special tokens."""
-    return get_tokenizer({token: EOT_TOKEN + 1 + i for i, token in enumerate(CHAT_TOKENS)})
+    return get_tokenizer({token: i for i, token in enumerate(CHAT_TOKENS, EOT_TOKEN + 1)})
 
 
 def render_conversation(enc, messages):
@@ -492,7 +492,7 @@ def hub_reachable():
 
 
 # ---- shared: distributed ----
-def init_distributed(device="auto"):
+def init_distributed(device):
     """The device, checked, a GPU by its index (cuda:N); and under torchrun the process group (NCCL on CUDA,
     gloo elsewhere), one GPU a process."""
     if device == "auto":

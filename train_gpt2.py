@@ -442,9 +442,8 @@ def train_step(model, optimizers, scaler, next_batch, grad_accum_steps, step_tok
         grad_norm = grad_norm.full_tensor()
     for opt in optimizers:
         scaler.step(opt)
-    scaler.update()
-    for opt in optimizers:
         opt.zero_grad(set_to_none=True)
+    scaler.update()
     metrics["loss"] = loss_accum
     metrics["grad_norm"] = grad_norm
     return metrics
@@ -476,9 +475,12 @@ def main(argv=None):
     if rest:
         die(f"--total_batch_size {args.total_batch_size} is not divisible by micro_batch_size * seq_len * "
             f"world_size = {B} * {T} * {world_size}; change --total_batch_size or --micro_batch_size")
-    set_memory_advice(micro_batch_advice(B, T, args.total_batch_size))  # for the out-of-memory line
+    # what the out-of-memory line will advise
+    set_memory_advice(f"the micro-batch is --micro_batch_size {B} x --seq_len {T}; lower --micro_batch_size "
+                      f"(gradient accumulation keeps --total_batch_size {args.total_batch_size}); if 1 does not "
+                      f"fit, the model and its optimizer state do not: a smaller model, or --fsdp over several GPUs")
     if master_process:
-        prepare_out_dir(args.out_dir, "--out_dir")
+        prepare_out_dir(args.out_dir)
 
     # ---- the model: the checkpoint to resume, OpenAI's weights, or a new one
     checkpoint = None
@@ -504,10 +506,8 @@ def main(argv=None):
     # ---- the data
     # Shuffled, a window is a whole step (total_batch_size tokens), so the order is the same for any number
     # of processes. Sequential, a window is a micro-step.
-    if args.data_order == "shuffled":
-        train_loader = ShardLoader(train_files, B, T, rank, world_size, device, grad_accum_steps, args.seed)
-    else:
-        train_loader = ShardLoader(train_files, B, T, rank, world_size, device)
+    micro_batches_per_window, seed = (grad_accum_steps, args.seed) if args.data_order == "shuffled" else (1, None)
+    train_loader = ShardLoader(train_files, B, T, rank, world_size, device, micro_batches_per_window, seed)
     val_loader = ShardLoader(val_files, B, T, rank, world_size, device)
     val_steps_asked = max(1, args.val_tokens // micro_step_tokens)
     val_steps = min(val_steps_asked, val_loader.num_windows)
@@ -515,8 +515,7 @@ def main(argv=None):
     if val_steps < val_steps_asked:
         print0(f"--val_tokens {args.val_tokens:,} is more than the val shards hold: each eval reads them once, "
                f"{val_tokens:,} tokens")
-    hellaswag_examples = (load_hellaswag(args.hellaswag_file, args.hellaswag_limit) if args.hellaswag_file
-                          else None)
+    hellaswag_examples = load_hellaswag(args.hellaswag_file, args.hellaswag_limit) if args.hellaswag_file else None
     enc = get_tokenizer()
 
     # ---- the training setup
@@ -536,17 +535,13 @@ def main(argv=None):
         print0(f"resuming from {args.resume_checkpoint} at step {start_step}")
         del checkpoint
     log, wandb_run = open_run_log(args, start_step, wandb_run_id)
-    parallelism = "one process"
-    if world_size > 1:
-        parallelism = "FSDP" if args.fsdp else "DDP"
     print0(f"{num_params(raw_model):,} parameters, {parameter_mib(raw_model):.1f} MiB of them per rank "
-           f"({parallelism}) | {device} {str(dtype).removeprefix('torch.')} | {args.total_batch_size:,} "
-           f"tokens/step = {grad_accum_steps} x {B} x {T} x {world_size}")
+           f"({'one process' if world_size == 1 else 'FSDP' if args.fsdp else 'DDP'}) | {device} "
+           f"{str(dtype).removeprefix('torch.')} | {args.total_batch_size:,} tokens/step = {grad_accum_steps} x {B} "
+           f"x {T} x {world_size}")
     epoch_tokens = train_loader.num_windows * train_loader.window_tokens
     print0(f"train data: {args.data_order} order, {len(train_files)} shards, an epoch is {epoch_tokens:,} tokens "
            f"= {epoch_tokens / args.total_batch_size:,.1f} steps")
-    if use_compile(args.compile, device):
-        print0("compiling the model (the first step takes a minute or more)", flush=True)
 
     @torch.no_grad()
     def evaluate_val_loss():
@@ -588,8 +583,8 @@ def main(argv=None):
             if not stop:
                 val_loss = step_val_loss
                 if not math.isfinite(val_loss):
-                    lr = optimizers[0].param_groups[0]["lr"]
-                    stop_diverged(step, f"val loss {val_loss}", lr, args.out_dir, saved_at_step=False)
+                    stop_diverged(step, f"val loss {val_loss}", optimizers[0].param_groups[0]["lr"], args.out_dir,
+                                  saved_at_step=False)
                 log({"step": step, "val_loss": val_loss, "val_tokens": val_tokens},
                     f"step {step:5d} | val loss {val_loss:.4f} ({val_tokens:,} tokens)")
         if stop:
@@ -618,7 +613,8 @@ def main(argv=None):
                 print0(f"---- sample {i} ----\n{args.prompt}{enc.decode(sample)}")
 
         # once in a while save a checkpoint (its life: the "checkpoint_life" block)
-        if step > start_step and (step % args.save_every == 0 or last_step):
+        saved_at_step = step > start_step and (step % args.save_every == 0 or last_step)
+        if saved_at_step:
             save_checkpoint(step)
         if last_step:  # the last step only evaluates and saves: it does not train
             prune_checkpoints(args.out_dir, step, args.keep_checkpoints)
@@ -634,7 +630,6 @@ def main(argv=None):
         seconds = time.perf_counter() - t0
         metrics["lr"] = optimizers[0].param_groups[0]["lr"]  # the lr AdamW stepped with
         loss, grad_norm = metrics["loss"], metrics["grad_norm"]
-        saved_at_step = step > start_step and step % args.save_every == 0
         # Stop on a non-finite loss. float16's grad scaler skips a step whose gradients overflow, so there an
         # infinite gradient norm alone is no divergence.
         if not math.isfinite(loss) or (not scaler.is_enabled() and not math.isfinite(grad_norm)):
@@ -661,7 +656,7 @@ def main(argv=None):
 # types. Blocks marked "shared" are kept equal in every script by tests/sync_shared.py.
 
 # ---- shared: distributed ----
-def init_distributed(device="auto"):
+def init_distributed(device):
     """The device, checked, a GPU by its index (cuda:N); and under torchrun the process group (NCCL on CUDA,
     gloo elsewhere), one GPU a process."""
     if device == "auto":
@@ -715,23 +710,16 @@ def autocast_context(device_type, dtype):
 
 
 # ---- shared: setup ----
-def micro_batch_advice(B, T, total_batch_size):
-    """The out-of-memory line's advice in the trainers: the micro-batch that failed, and what to lower."""
-    return (f"the micro-batch is --micro_batch_size {B} x --seq_len {T}; lower --micro_batch_size (gradient "
-            f"accumulation keeps --total_batch_size {total_batch_size}); if 1 does not fit, the model and its "
-            f"optimizer state do not: a smaller model, or --fsdp over several GPUs")
-
-
 def setup_training(raw_model, args, dtype, device):
     """Sharding, optimizers, DDP and compile, in the order they must happen, for init_distributed's device.
     Returns the module that trains and evaluates (DDP-wrapped and/or compiled), the optimizers, the grad scaler
     (float16 only) and the autocast context."""
     device = torch.device(device)
     autocast_ctx = autocast_context(device.type, dtype)
-    if args.fsdp and (world_size < 2 or args.optimizer == "muon" or dtype == torch.float16):
-        die("--fsdp shards AdamW in bfloat16 or float32 over processes: launch with torchrun --nproc_per_node=N, "
-            "without --optimizer muon or float16 (give --dtype float32 on a GPU without bfloat16)")
     if args.fsdp:
+        if world_size < 2 or args.optimizer == "muon" or dtype == torch.float16:
+            die("--fsdp shards AdamW in bfloat16 or float32 over processes: launch with torchrun --nproc_per_node=N, "
+                "without --optimizer muon or float16 (give --dtype float32 on a GPU without bfloat16)")
         # FSDP2: each block, then the rest (embedding tied with the head, final norm). With bfloat16 the
         # blocks compute in it from fp32 master weights, and gradients are reduced in fp32.
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
@@ -744,11 +732,13 @@ def setup_training(raw_model, args, dtype, device):
         torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and newer
     # the optimizers come after sharding: FSDP replaces the parameters
     optimizers = make_optimizers(raw_model, args, device.type)
-    compile_model = use_compile(args.compile, device.type)
+    # auto: on CUDA only, as on a CPU compiling gains less than the minute it takes
+    compile_model = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
+    if compile_model:
+        print0("compiling the model (the first step takes a minute or more)", flush=True)
     model = raw_model
     if world_size > 1 and not args.fsdp:
-        device_ids = [device.index] if device.type == "cuda" else None  # a GPU a process
-        model = DDP(raw_model, device_ids=device_ids)
+        model = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None)  # a GPU a process
         # Compiled in place, DDP stays a DDP (for its gradient-sync switch), and Dynamo's DDPOptimizer splits
         # the graph at the gradient buckets, so that each bucket's all-reduce overlaps the rest of the
         # backward. Evals run its forward under no_grad, with no gradient sync.
@@ -757,10 +747,6 @@ def setup_training(raw_model, args, dtype, device):
     elif compile_model:
         model = torch.compile(raw_model)
     return model, optimizers, scaler, autocast_ctx
-
-
-def use_compile(compile_arg, device):
-    return compile_arg == "on" or (compile_arg == "auto" and str(device).startswith("cuda"))
 
 
 def num_params(model):
@@ -802,7 +788,7 @@ class Muon(torch.optim.Optimizer):
     replaced by its nearest orthogonal matrix. For the hidden matrices only; under DDP every rank computes
     the same update."""
 
-    def __init__(self, params, lr=0.02, momentum=0.95, weight_decay=0.0):
+    def __init__(self, params, lr, momentum, weight_decay):
         # parts: a weight that stacks several matrices (query, key, value) is orthogonalized a part at a time
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, parts=1))
 
@@ -820,8 +806,7 @@ class Muon(torch.optim.Optimizer):
                 update = p.grad.lerp(buf, group["momentum"])  # Nesterov
                 # The attention's fused weight (3C x C) is three C x C maps, Q, K and V: each is
                 # orthogonalized on its own (as modded-nanogpt does), not the stack as one tall matrix.
-                blocks = update.view(group["parts"], -1, p.size(1))
-                blocks = zeropower_via_newtonschulz5(blocks)
+                blocks = zeropower_via_newtonschulz5(update.view(group["parts"], -1, p.size(1)))
                 # a tall block is scaled up to the per-entry size of a square one: sqrt(rows / cols), as
                 # modded-nanogpt does
                 scale = max(1, blocks.size(-2) / blocks.size(-1)) ** 0.5
@@ -889,28 +874,27 @@ def exit_on_out_of_memory(main):
 
 
 # ---- shared: out_dir ----
-def prepare_out_dir(path, flag):
-    """Create an output folder and take its .lock, refusing a folder that a live run writes into, before any
+def prepare_out_dir(path):
+    """Create the --out_dir folder and take its .lock, refusing a folder that a live run writes into, before any
     work starts. Then remove the *.tmp of a killed save: finished files are renamed from them, never the only
     copy."""
     import fcntl
-    import socket
     try:
         os.makedirs(path, exist_ok=True)
         fd = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
-        die(f"{flag} {path} cannot be created or written ({e.strerror}); give another folder or fix its permissions")
+        die(f"--out_dir {path} cannot be created or written ({e.strerror}); give another folder or fix its permissions")
     # a POSIX lock is the kernel's: it goes with its process (SIGKILL, a crash); the fd stays open till then
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+        os.pwrite(fd, f"pid {os.getpid()} on host {os.uname().nodename}\n".encode(), 0)
     except (BlockingIOError, PermissionError):  # EAGAIN, EACCES: another process holds the lock
         holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a run that is starting"
-        die(f"{flag} {path} is in use by a running run ({holder}); wait for it to end or stop it, or give "
-            f"another {flag}")
+        die(f"--out_dir {path} is in use by a running run ({holder}); wait for it to end or stop it, or give "
+            f"another --out_dir")
     except OSError as e:  # ENOLCK & co: some network file systems
-        print(f"{flag} {path}: this file system cannot lock files ({e.strerror}); a second run into it is not "
+        print(f"--out_dir {path}: this file system cannot lock files ({e.strerror}); a second run into it is not "
               f"refused", file=sys.stderr)
     # Only now, with the lock held, can no live run be saving here: the .tmp files are a killed save's.
     stale = sorted(glob.glob(os.path.join(path, "*.tmp")))
@@ -969,8 +953,7 @@ def resume_args(parser, argv, fixed):
     """--resume: the flags of the newest readable checkpoint in out_dir become the defaults, so that a flag
     given changes only itself, and the `fixed` ones (the model's shape, the optimizer) must stay. The
     checkpoint's path is args.resume_checkpoint."""
-    out_dir = parser.parse_args(argv).out_dir
-    checkpoint, path = load_checkpoint(out_dir, mmap=True)  # no tensor is read yet
+    checkpoint, path = load_checkpoint(parser.parse_args(argv).out_dir, mmap=True)  # no tensor is read yet
     saved = dict(checkpoint["args"])
     for key in fixed:  # the model's shape as built: args hold None where --model gave it
         if key in checkpoint["config"]:
@@ -1208,16 +1191,15 @@ class StepLog:
     def record(self, step, metrics, seconds):
         """The log record and line of a step's metrics (loss, lr, grad_norm and any added to them). tok/s is
         over all ranks (which keep in step), MFU over all devices; memory is rank 0's."""
-        tokens_per_s = self.tokens_per_step / seconds
         record = {"step": step, **metrics, "tokens": (step + 1) * self.tokens_per_step, "ms": seconds * 1000,
-                  "tok_per_s": tokens_per_s, "peak_mem_gib": peak_memory_gib(self.device),
+                  "tok_per_s": self.tokens_per_step / seconds, "peak_mem_gib": peak_memory_gib(self.device),
                   "eta_s": seconds * (self.max_steps - 1 - step)}  # at this step's speed
         line = (f"step {step:5d}/{self.max_steps} | loss {metrics['loss']:.6f} | lr {metrics['lr']:.4e} | "
                 f"norm {metrics['grad_norm']:.4f} | ")
         for name, value in metrics.items():  # the metrics added in train_step
             if name not in ("loss", "lr", "grad_norm"):
                 line += f"{name} {value:.4g} | "
-        line += (f"{seconds * 1000:.1f} ms | {tokens_per_s:,.0f} tok/s | {record['tokens']:,} tokens | "
+        line += (f"{seconds * 1000:.1f} ms | {record['tok_per_s']:,.0f} tok/s | {record['tokens']:,} tokens | "
                  f"mem {record['peak_mem_gib']:.2f} GiB | eta {record['eta_s'] / 60:,.1f} min")
         if self.peak_flops:
             record["mfu"] = self.flops_per_step / seconds / (self.peak_flops * world_size)
@@ -1341,9 +1323,8 @@ def evaluate_hellaswag(model, examples, enc, device, batch_size=8, autocast_ctx=
         for pred, pred_norm, (_, _, label) in zip(by_sum, by_mean, batch):
             correct += pred == label
             correct_norm += pred_norm == label
-    counts = torch.tensor([correct, correct_norm, len(rendered), cropped])
+    counts = torch.tensor([correct, correct_norm, len(rendered), cropped], device=device)
     if split_ranks and world_size > 1:  # summed over the ranks in one all-reduce
-        counts = counts.to(device)
         dist.all_reduce(counts)
     correct, correct_norm, count, cropped = counts.tolist()
     if cropped:
@@ -1412,17 +1393,18 @@ def write_file(path, write, fix):
     """Write a file whole or not at all: write(f) into path.tmp, fsync it, rename it over path (after a crash
     there is the old file or the new one, never a part). A failed write (a full disk, a quota) is one line
     naming the file, the cause and the fix; its .tmp goes."""
+    tmp = path + ".tmp"
     try:
-        with open(path + ".tmp", "wb") as f:
+        with open(tmp, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(path + ".tmp", path)
+        os.replace(tmp, path)
     # torch.save reports a failed write as a RuntimeError raised from the OSError
     except (OSError, RuntimeError) as e:
         cause = next((c for c in (e, e.__cause__, e.__context__) if isinstance(c, OSError)), e)
-        if os.path.exists(path + ".tmp"):
-            os.remove(path + ".tmp")
+        if os.path.exists(tmp):
+            os.remove(tmp)
         die(f"cannot write {path} ({getattr(cause, 'strerror', None) or cause}); {fix}")
 # ---- end shared: files ----
 

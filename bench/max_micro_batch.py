@@ -51,7 +51,7 @@ def main():
         fraction = args.gib * 2**30 / total
         torch.cuda.set_per_process_memory_fraction(fraction)
     # auto, as train_gpt2.py: on for CUDA, off on a CPU
-    compile_flag = "on" if tg.use_compile("auto", device) else "off"
+    compile_flag = "on" if device == "cuda" else "off"
     train_args = tg.get_args(["--device", device, "--dtype", "bfloat16", "--compile", compile_flag])
     torch.manual_seed(0)
     model = tg.GPT(tg.GPTConfig(block_size=T, **size)).to(device)
