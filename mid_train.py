@@ -702,10 +702,12 @@ def main(argv=None):
         print0(f"resuming from {args.resume_checkpoint} at step {start_step}")
         del checkpoint
     log, wandb_run = open_run_log(args, start_step, wandb_run_id)
+    parallelism = "one process"
+    if world_size > 1:
+        parallelism = "FSDP" if args.fsdp else "DDP"
     print0(f"{num_params(raw_model):,} parameters, {parameter_mib(raw_model):.1f} MiB of them per rank "
-           f"({'one process' if world_size == 1 else 'FSDP' if args.fsdp else 'DDP'}) | {device} "
-           f"{str(dtype).removeprefix('torch.')} | {args.max_steps} steps of {total_batch_size:,} tokens = "
-           f"{grad_accum_steps} x {B} x {T} x {world_size}")
+           f"({parallelism}) | {device} {str(dtype).removeprefix('torch.')} | {args.max_steps} steps of "
+           f"{total_batch_size:,} tokens = {grad_accum_steps} x {B} x {T} x {world_size}")
     print0(f"{n_train:,} train conversations (with epochs) in {len(train_tokens):,} rows of {T + 1} tokens, "
            f"{cropped} cropped; {n_val:,} val conversations in {len(val_tokens) - pad:,} rows")
 
@@ -937,9 +939,6 @@ def make_optimizers(model, args, device_type):
         muon_groups = [dict(params=[layer.weight], parts=len(layer.MUON_PARTS)) for layer in muon_layers]
         optimizers.append(Muon(muon_groups, lr=args.muon_lr, momentum=args.muon_momentum,
                                weight_decay=args.muon_weight_decay))
-    for opt in optimizers:
-        for group in opt.param_groups:
-            group["peak_lr"] = group["lr"]
     return optimizers
 
 
@@ -998,7 +997,8 @@ def set_schedule(optimizers, multiplier, step, args):
     momentum_warmup = min(1.0, step / max(1, args.muon_momentum_warmup))  # 0 to 1
     for opt in optimizers:
         for group in opt.param_groups:
-            group["lr"] = group["peak_lr"] * multiplier
+            # a group's peak is the lr it was built with, noted at the first step
+            group["lr"] = group.setdefault("peak_lr", group["lr"]) * multiplier
             if isinstance(opt, Muon):
                 group["momentum"] = (1 - momentum_warmup) * 0.85 + momentum_warmup * args.muon_momentum
 # ---- end shared: optim ----

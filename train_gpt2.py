@@ -506,8 +506,10 @@ def main(argv=None):
     # ---- the data
     # Shuffled, a window is a whole step (total_batch_size tokens), so the order is the same for any number
     # of processes. Sequential, a window is a micro-step.
-    micro_batches_per_window, seed = (grad_accum_steps, args.seed) if args.data_order == "shuffled" else (1, None)
-    train_loader = ShardLoader(train_files, B, T, rank, world_size, device, micro_batches_per_window, seed)
+    if args.data_order == "shuffled":
+        train_loader = ShardLoader(train_files, B, T, rank, world_size, device, grad_accum_steps, args.seed)
+    else:
+        train_loader = ShardLoader(train_files, B, T, rank, world_size, device)
     val_loader = ShardLoader(val_files, B, T, rank, world_size, device)
     val_steps_asked = max(1, args.val_tokens // micro_step_tokens)
     val_steps = min(val_steps_asked, val_loader.num_windows)
@@ -535,10 +537,12 @@ def main(argv=None):
         print0(f"resuming from {args.resume_checkpoint} at step {start_step}")
         del checkpoint
     log, wandb_run = open_run_log(args, start_step, wandb_run_id)
+    parallelism = "one process"
+    if world_size > 1:
+        parallelism = "FSDP" if args.fsdp else "DDP"
     print0(f"{num_params(raw_model):,} parameters, {parameter_mib(raw_model):.1f} MiB of them per rank "
-           f"({'one process' if world_size == 1 else 'FSDP' if args.fsdp else 'DDP'}) | {device} "
-           f"{str(dtype).removeprefix('torch.')} | {args.total_batch_size:,} tokens/step = {grad_accum_steps} x {B} "
-           f"x {T} x {world_size}")
+           f"({parallelism}) | {device} {str(dtype).removeprefix('torch.')} | {args.total_batch_size:,} "
+           f"tokens/step = {grad_accum_steps} x {B} x {T} x {world_size}")
     epoch_tokens = train_loader.num_windows * train_loader.window_tokens
     print0(f"train data: {args.data_order} order, {len(train_files)} shards, an epoch is {epoch_tokens:,} tokens "
            f"= {epoch_tokens / args.total_batch_size:,.1f} steps")
@@ -649,11 +653,10 @@ def main(argv=None):
 
 
 # -----------------------------------------------------------------------------
-# Everything below supports main() and its loop, in about the order they call it: the model's training loss
-# (ChunkedCrossEntropy, which GPT.forward calls); devices; the training setup and optimizers; out-of-memory
-# advice; the out_dir; checkpoints (loading, then their life in a run: resume, save, prune, divergence) and
-# OpenAI's weights; the log; stop signals; HellaSwag and samples; the tokenizer, progress bars, files and flag
-# types. Blocks marked "shared" are kept equal in every script by tests/sync_shared.py.
+# Everything below supports main() and its loop, in about the order they call it: devices; the training setup
+# and optimizers; out-of-memory advice; the out_dir; checkpoints (loading, then their life in a run: resume,
+# save, prune, divergence) and OpenAI's weights; the log; stop signals; HellaSwag and samples; the tokenizer,
+# progress bars, files and flag types. Blocks marked "shared" are kept equal in every script by tests/sync_shared.py.
 
 # ---- shared: distributed ----
 def init_distributed(device):
@@ -777,9 +780,6 @@ def make_optimizers(model, args, device_type):
         muon_groups = [dict(params=[layer.weight], parts=len(layer.MUON_PARTS)) for layer in muon_layers]
         optimizers.append(Muon(muon_groups, lr=args.muon_lr, momentum=args.muon_momentum,
                                weight_decay=args.muon_weight_decay))
-    for opt in optimizers:
-        for group in opt.param_groups:
-            group["peak_lr"] = group["lr"]
     return optimizers
 
 
@@ -838,7 +838,8 @@ def set_schedule(optimizers, multiplier, step, args):
     momentum_warmup = min(1.0, step / max(1, args.muon_momentum_warmup))  # 0 to 1
     for opt in optimizers:
         for group in opt.param_groups:
-            group["lr"] = group["peak_lr"] * multiplier
+            # a group's peak is the lr it was built with, noted at the first step
+            group["lr"] = group.setdefault("peak_lr", group["lr"]) * multiplier
             if isinstance(opt, Muon):
                 group["momentum"] = (1 - momentum_warmup) * 0.85 + momentum_warmup * args.muon_momentum
 # ---- end shared: optim ----

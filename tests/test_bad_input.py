@@ -120,7 +120,8 @@ CASES = [
     # ---- services: no wandb login, no hub
     case("train-wandb-no-login", "train_gpt2.py", *DATA, "--wandb_project", "p", env=NO_WANDB_LOGIN,
          expect="wandb login"),
-    case("train-init_from-offline", "train_gpt2.py", *DATA, "--init_from", "gpt2", env=OFFLINE_HUB,
+    case("train-init_from-offline", "train_gpt2.py", "--data_dir", "{tmp}/data", "--out_dir", "{tmp}/out", "--device",
+         "cpu", "--init_from", "gpt2", env=OFFLINE_HUB,
          expect="cannot be reached"),
     case("mid-init_from-offline", "mid_train.py", "--init_from", "gpt2", "--device", "cpu", "--out_dir", "{tmp}/mid",
          env=OFFLINE_HUB, expect="cannot be reached"),

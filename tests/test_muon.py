@@ -99,9 +99,10 @@ def test_a_groups_own_learning_rate_survives_the_schedule():
     """A parameter group given its own lr (a fork's: the embedding at 10x) keeps that ratio through the schedule,
     which scales each group's own peak."""
     model, (adamw, muon) = tiny_model_and_optimizers(train_gpt2.get_args, ["--optimizer", "muon"])
-    adamw.param_groups[0]["peak_lr"] *= 10
+    adamw.param_groups[0]["lr"] *= 10  # as built with lr=args.lr * 10
     args = train_gpt2.get_args(["--optimizer", "muon", "--warmup_steps", "10"])
-    train_gpt2.set_schedule([adamw, muon], train_gpt2.lr_multiplier(3, args), 3, args)
+    for step in range(4):
+        train_gpt2.set_schedule([adamw, muon], train_gpt2.lr_multiplier(step, args), step, args)
     assert adamw.param_groups[0]["lr"] == pytest.approx(10 * args.lr * 0.4)
     assert adamw.param_groups[1]["lr"] == pytest.approx(args.lr * 0.4)
     assert muon.param_groups[0]["lr"] == pytest.approx(args.muon_lr * 0.4)
