@@ -6,7 +6,6 @@ import signal
 import subprocess
 import sys
 import time
-from contextlib import nullcontext
 
 import numpy as np
 import pytest
