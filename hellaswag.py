@@ -608,7 +608,11 @@ def load_checkpoint(path, mmap=False):
 
 def model_from_checkpoint(checkpoint):
     model = GPT(GPTConfig(**checkpoint["config"]))
-    model.load_state_dict(checkpoint["model"])
+    try:
+        model.load_state_dict(checkpoint["model"])
+    except RuntimeError as e:  # a model changed since the checkpoint: weights missing, new or of other shapes
+        die(f"the checkpoint holds another model than this code builds ({str(e).splitlines()[1].strip()}); load it "
+            f"with the code that saved it")
     return model
 # ---- end shared: checkpoint ----
 

@@ -606,8 +606,7 @@ def train_step(model, optimizers, scaler, next_batch, grad_accum_steps, step_tok
         scaler.step(opt)
         opt.zero_grad(set_to_none=True)
     scaler.update()
-    metrics["loss"] = loss_accum
-    metrics["grad_norm"] = grad_norm
+    metrics.update(loss=loss_accum, grad_norm=grad_norm)
     return metrics
 # ---- end shared: step ----
 
@@ -719,7 +718,7 @@ def main(argv=None):
         for i in progress(range(len(val_tokens) // micro_step_rows), "val loss"):
             # a stop signal is asked about every 16 batches: a preempted job saves within seconds
             if i % 16 == 15:
-                _, stop = sync_ranks(device)
+                _, stop = sync_ranks(device, {})
                 if stop:
                     return None
             x, y = val_loader.next_batch()
@@ -794,12 +793,12 @@ def main(argv=None):
         metrics, stop = sync_ranks(device, metrics)  # the step is done
         seconds = time.perf_counter() - t0
         metrics["lr"] = optimizers[0].param_groups[0]["lr"]  # the lr AdamW stepped with
-        loss, grad_norm = metrics["loss"], metrics["grad_norm"]
         # Diverged? (float16's grad scaler skips a step whose gradients overflow: an infinite norm is no
         # divergence there.)
-        if not math.isfinite(loss) or (not scaler.is_enabled() and not math.isfinite(grad_norm)):
-            stop_diverged(step, f"loss {loss}, gradient norm {grad_norm}", metrics["lr"], args.out_dir,
-                          saved_at_step)
+        if not math.isfinite(metrics["loss"]) or (
+                not scaler.is_enabled() and not math.isfinite(metrics["grad_norm"])):
+            stop_diverged(step, f"loss {metrics['loss']}, gradient norm {metrics['grad_norm']}", metrics["lr"],
+                          args.out_dir, saved_at_step)
         if saved_at_step:
             prune_checkpoints(args.out_dir, step, args.keep_checkpoints)
 
@@ -1095,7 +1094,11 @@ def load_checkpoint(path, mmap=False):
 
 def model_from_checkpoint(checkpoint):
     model = GPT(GPTConfig(**checkpoint["config"]))
-    model.load_state_dict(checkpoint["model"])
+    try:
+        model.load_state_dict(checkpoint["model"])
+    except RuntimeError as e:  # a model changed since the checkpoint: weights missing, new or of other shapes
+        die(f"the checkpoint holds another model than this code builds ({str(e).splitlines()[1].strip()}); load it "
+            f"with the code that saved it")
     return model
 # ---- end shared: checkpoint ----
 
@@ -1395,10 +1398,9 @@ def request_stop(signum, frame):
     signal.signal(signum, signal.SIG_DFL)  # a second signal stops at once
 
 
-def sync_ranks(device, metrics=None):
+def sync_ranks(device, metrics):
     """The mean over the ranks of each metric (a dict of device scalars), and whether any rank was asked to
     stop: one all-reduce of one tensor, which every rank calls at the same points (every step, and in evals)."""
-    metrics = metrics or {}
     stop_flag = torch.tensor(float(stop_requested), device=device)
     values = torch.stack([*(value.float() for value in metrics.values()), stop_flag])
     if world_size > 1:

@@ -3,7 +3,9 @@ Keep the copied code honest. Code that several scripts need sits between `# ----
 `# ---- end shared: NAME ----` markers, one copy in each script that needs it. Edit any copy, then run this tool:
 it copies the edited block over the others. tests/shared_blocks.json holds a hash of each block as last synced, so a
 copy whose hash differs from it is one that was edited. When copies of a block were edited differently, the tool
-changes no file, names them, and exits 1: make them the same by hand, then run it again.
+changes no file, names them, and exits 1: make them the same by hand, then run it again. The record also keeps the
+hashes of earlier synced versions, so that a copy put back to one of them (a `git checkout` of one script, a file
+copied in from upstream) is refused too, rather than taken for a new edit and copied over the newer block.
 
     python tests/sync_shared.py           # copy each edited block over its other copies, update the record
     python tests/sync_shared.py --check   # list copies that differ and a stale record; exit 1 if any
@@ -42,11 +44,16 @@ def all_copies():
 
 
 def read_record():
-    # Without a record every block is new: it is recorded where its copies agree and a conflict where they do not.
+    """{block: [hash as last synced, hashes of earlier synced versions...]}. Without a record every block is new: it
+    is recorded where its copies agree and a conflict where they do not."""
     if not os.path.exists(RECORD):
         return {}
     with open(RECORD) as f:
         return json.load(f)
+
+
+def synced_hash(record, name):
+    return record.get(name, [None])[0]
 
 
 def differing_copies():
@@ -63,7 +70,7 @@ def stale_record():
     like a conflict."""
     copies, record = all_copies(), read_record()
     stale = [name for name, bodies in copies.items()
-             if len(set(bodies.values())) == 1 and record.get(name) != digest(next(iter(bodies.values())))]
+             if len(set(bodies.values())) == 1 and synced_hash(record, name) != digest(next(iter(bodies.values())))]
     return stale + [name for name in record if name not in copies]
 
 
@@ -75,8 +82,14 @@ def sync():
     for name, bodies in copies.items():
         # A copy unlike its record was edited since the last sync; every copy of a new block counts as edited. Edits
         # that all hold the same body are one edit, made in one copy or in several.
-        edited = {script: body for script, body in bodies.items() if digest(body) != record.get(name)}
-        if len(set(edited.values())) > 1:
+        edited = {script: body for script, body in bodies.items() if digest(body) != synced_hash(record, name)}
+        earlier = [script for script, body in edited.items() if digest(body) in record.get(name, [])[1:]]
+        if earlier:
+            conflicts.append(f"error: shared block '{name}' in {' and '.join(earlier)} is a version synced before "
+                             f"(a script put back from git or upstream?), not a new edit; to go back to it, make "
+                             f"every copy the same by hand, else copy the newer block into it, then run python "
+                             f"tests/sync_shared.py")
+        elif len(set(edited.values())) > 1:
             conflicts.append(f"error: shared block '{name}' was edited differently in {' and '.join(edited)}; "
                              f"make them the same by hand, then run python tests/sync_shared.py")
         synced[name] = next(iter(edited.values()), next(iter(bodies.values())))
@@ -96,7 +109,11 @@ def sync():
             with open(path, "w") as f:
                 f.write(new)
             print(f"synced {script}")
-    new_record = {name: digest(body) for name, body in synced.items()}
+    # each block's hash as synced now, then the earlier ones (the last 50)
+    new_record = {}
+    for name, body in synced.items():
+        earlier = [h for h in record.get(name, []) if h != digest(body)]
+        new_record[name] = [digest(body), *earlier][:50]
     if new_record != record:
         with open(RECORD, "w") as f:
             f.write(json.dumps(new_record, indent=2) + "\n")

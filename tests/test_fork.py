@@ -40,7 +40,7 @@ def fork(shards, tmp_path_factory):
     for name in ("sync_shared.py", "shared_blocks.json"):
         shutil.copy(os.path.join(REPO, "tests", name), fork / "tests")
     edits = guide_edits()
-    assert len(edits) >= 9, edits  # RoPE (4), QK-norm, activation, softcap, groups, metric, data format (2)
+    assert len(edits) == 11, edits  # RoPE (4), QK-norm, activation, softcap, groups, metric, data format (2)
     for script, old, new in edits:
         with open(fork / script) as f:
             text = f.read()
@@ -66,7 +66,7 @@ def test_guide_edits_reach_every_copy(fork):
         assert "wpe" not in text.split("# ---- shared: model ----")[1].split("# ---- end shared: model ----")[0]
 
 
-def test_forked_model_trains_resumes_exactly_samples_and_midtrains(fork):
+def test_forked_model_trains_resumes_exactly_samples_and_midtrains(fork, base_ckpt):
     flags = [*TINY, "--data_dir", "data", "--max_steps", 6, "--save_every", 3, "--eval_every", 3]
     proc = run_in(fork, "train_gpt2.py", *flags, "--out_dir", "straight")
     assert proc.returncode == 0, proc.stderr
@@ -83,14 +83,31 @@ def test_forked_model_trains_resumes_exactly_samples_and_midtrains(fork):
     resumed = train_losses(fork / "resumed")
     assert sorted(resumed) == [3, 4, 5] and all(resumed[s] == straight[s] for s in resumed), (straight, resumed)
 
+    # the embedding's group kept its 3x learning rate through the schedule
+    import torch
+    groups = torch.load(fork / "straight" / "ckpt_0000006.pt", weights_only=True)["optimizer"]["param_groups"]
+    assert groups[2]["lr"] == pytest.approx(3 * groups[0]["lr"]) and groups[0]["lr"] > 0
+
     proc = run_in(fork, "sample.py", "--ckpt", "straight", "--num_samples", 1, "--max_new_tokens", 8, "--prompt", "def")
     assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr
+    # with the KV cache (the prompt, then a token at a time) the rotated model gives the logits it gives without
+    check = ("import torch, sample as s; model = s.model_from_checkpoint(s.load_checkpoint('straight')[0]);"
+             "idx = torch.randint(0, 50257, (1, 12)); full, _ = model(idx); cache = s.KVCache();"
+             "steps = [model(idx[:, :4], kv_cache=cache)[0][:, -1]] + [model(idx[:, i:i + 1], kv_cache=cache)[0][:, -1]"
+             " for i in range(4, 12)]; print((torch.stack(steps, 1) - full[:, 3:]).abs().max().item())")
+    proc = subprocess.run([sys.executable, "-c", check], cwd=fork, capture_output=True, text=True)
+    assert proc.returncode == 0 and float(proc.stdout) < 1e-4, (proc.stdout, proc.stderr)
 
     # midtraining continues the forked model (its copy of the model block, synced)
     write_chat(fork / "chat.jsonl", conversations(40))
     proc = run_in(fork, "mid_train.py", *MID, "--init_ckpt", "straight", "--data", "chat:chat.jsonl",
                   "--max_steps", 2, "--out_dir", "mid")
     assert proc.returncode == 0 and "max_logit" in proc.stdout, proc.stderr
+
+    # a checkpoint of the model before the edit: one line naming a weight that differs
+    proc = run_in(fork, "sample.py", "--ckpt", base_ckpt, "--max_new_tokens", 4)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: the checkpoint holds another model"), proc.stderr
+    assert "wpe" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
     # the model GPT-2's weights do not fit: one line naming the first weight that differs
     proc = run_in(fork, "export_hf.py", "--ckpt", "straight", "--out_dir", "hf")

@@ -60,6 +60,22 @@ def test_two_different_edits_are_refused_and_both_kept(tmp_path):
     assert {name: (root / name).read_bytes() for name in files} == before
 
 
+def test_a_copy_put_back_to_an_earlier_version_does_not_undo_the_edit(tmp_path):
+    """Edit, sync, then one script is put back as it was (a git checkout of it): the next sync refuses, naming it,
+    instead of copying the old block over the edit."""
+    root = copy_of_repo(tmp_path)
+    unedited = (root / "sample.py").read_bytes()
+    edit_block(root / "mid_train.py", "model", "# edited in mid_train.py")
+    assert run_sync(root).returncode == 0
+    (root / "sample.py").write_bytes(unedited)
+    files = SCRIPTS + ["tests/shared_blocks.json"]
+    before = {name: (root / name).read_bytes() for name in files}
+    proc = run_sync(root)
+    assert proc.returncode == 1 and "sample.py is a version synced before" in proc.stderr, proc.stderr
+    assert {name: (root / name).read_bytes() for name in files} == before
+    assert read_blocks(root / "train_gpt2.py")["model"].endswith("# edited in mid_train.py\n")
+
+
 def test_every_script_is_importable_without_side_effects(tmp_path):
     for script in SCRIPTS:
         path = os.path.join(REPO, script)
