@@ -133,8 +133,8 @@ def main(argv=None):
     their_shapes = {(name, tuple(value.shape)) for name, value in theirs.items()}
     if our_shapes != their_shapes:
         name, shape = min(our_shapes ^ their_shapes)
-        die(f"{path} holds a model of another layout than GPT-2's ({name}, of shape {shape}, is in one of them "
-            f"only): transformers' GPT2LMHeadModel cannot hold it")
+        die(f"{path} holds a model of another layout than GPT-2's ({name}, of shape {shape}, is in one of "
+            f"them only): transformers' GPT2LMHeadModel cannot hold it")
     hf_model.load_state_dict(ours, strict=False)  # strict=False: the causal-mask buffers are not ours
 
     # written into a temp folder, checked, then renamed, so that out_dir is never a half-written export
@@ -186,7 +186,7 @@ def main(argv=None):
 # -----------------------------------------------------------------------------
 # everything below supports the script: command-line checks, the tokenizer and chat tokens, the model,
 # checkpoints
-# (blocks shared with train_gpt2.py and mid_train.py: after editing any copy, run python tests/sync_shared.py)
+# (blocks shared with train_gpt2.py and mid_train.py: after editing any copy, run tests/sync_shared.py)
 
 
 # ---- shared: tokenizer ----
@@ -360,9 +360,9 @@ class GPT(nn.Module):
             torch.nn.init.zeros_(module.bias)
 
     def forward(self, idx, targets=None, kv_cache=None, reduction="mean"):
-        """The logits of every position, and with targets (-1 where ignored) the cross-entropy loss over them:
-        their mean, or with reduction="sum" their sum (0 where there are none), which training divides itself.
-        Returns (logits, loss), loss None without targets."""
+        """The logits of every position, and with targets (-1 where ignored) the cross-entropy loss over
+        them: their mean, or with reduction="sum" their sum (0 where there are none), which training divides
+        itself. Returns (logits, loss), loss None without targets."""
         T = idx.size(1)
         start = kv_cache.pos if kv_cache is not None else 0  # the position of the first new token
         assert start + T <= self.config.block_size, f"{start + T} tokens are past the context {self.config.block_size}"
@@ -413,9 +413,9 @@ def model_from_checkpoint(checkpoint):
     model = GPT(GPTConfig(**checkpoint["config"]))
     try:
         model.load_state_dict(checkpoint["model"])
-    except RuntimeError as e:  # a model changed since the checkpoint: weights missing, new or of other shapes
-        die(f"the checkpoint holds another model than this code builds ({str(e).splitlines()[1].strip()}); load it "
-            f"with the code that saved it")
+    except RuntimeError as e:  # the model was changed since: weights missing, new or of other shapes
+        die(f"the checkpoint holds another model than this code builds ({str(e).splitlines()[1].strip()}); "
+            f"load it with the code that saved it")
     return model
 # ---- end shared: checkpoint ----
 

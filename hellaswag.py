@@ -419,9 +419,9 @@ class GPT(nn.Module):
             torch.nn.init.zeros_(module.bias)
 
     def forward(self, idx, targets=None, kv_cache=None, reduction="mean"):
-        """The logits of every position, and with targets (-1 where ignored) the cross-entropy loss over them:
-        their mean, or with reduction="sum" their sum (0 where there are none), which training divides itself.
-        Returns (logits, loss), loss None without targets."""
+        """The logits of every position, and with targets (-1 where ignored) the cross-entropy loss over
+        them: their mean, or with reduction="sum" their sum (0 where there are none), which training divides
+        itself. Returns (logits, loss), loss None without targets."""
         T = idx.size(1)
         start = kv_cache.pos if kv_cache is not None else 0  # the position of the first new token
         assert start + T <= self.config.block_size, f"{start + T} tokens are past the context {self.config.block_size}"
@@ -461,16 +461,17 @@ def load_hf_state_dict(model, hf_state):
     """Copy weights from transformers' GPT2LMHeadModel, whose Conv1D layers store weights transposed. A model
     whose weights have other names or shapes than GPT-2's is a one-line error naming one."""
     state = model.state_dict()
-    # the causal-mask buffers are no weights
-    hf_state = {name: value.t() if name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")) else value
-                for name, value in hf_state.items() if not name.endswith((".attn.bias", ".attn.masked_bias"))}
-    # each weight's name and shape, but for its rows: our embedding's are padded
-    ours = {name: tuple(value.shape[1:]) for name, value in state.items()}
-    theirs = {name: tuple(value.shape[1:]) for name, value in hf_state.items()}
+    transposed = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
+    causal_masks = (".attn.bias", ".attn.masked_bias")  # buffers, not weights
+    hf_state = {name: value.t() if name.endswith(transposed) else value
+                for name, value in hf_state.items() if not name.endswith(causal_masks)}
+    # each weight's name and the shape of its rows (our embedding has more rows: it is padded)
+    ours = {(name, value.shape[1:]) for name, value in state.items()}
+    theirs = {(name, value.shape[1:]) for name, value in hf_state.items()}
     if ours != theirs:
-        name, shape = min(ours.items() ^ theirs.items())
-        die(f"OpenAI's GPT-2 weights do not fit this model's layout ({name}, rows of shape {shape}, is in one of "
-            f"them only): train this model from scratch, or start from a checkpoint of it")
+        name, shape = min(ours ^ theirs)
+        die(f"OpenAI's GPT-2 weights do not fit this model's layout ({name}, rows of shape {tuple(shape)}, "
+            f"is in one of them only): train this model from scratch, or start from a checkpoint of it")
     with torch.no_grad():
         for name, value in hf_state.items():
             state[name][: value.size(0)].copy_(value)
@@ -520,8 +521,8 @@ def init_distributed(device):
 
 
 def cpu_has_bf16(cpuinfo="/proc/cpuinfo"):
-    """Whether the CPU has bf16 units (AVX512-BF16 or AMX), as Linux lists its flags; False where no file says."""
-    # torch.cpu.get_capabilities() says it too, but only in recent torch, not in 2.6, which requirements.txt allows.
+    """Whether the CPU has bf16 units (AVX512-BF16 or AMX), by Linux's list of its flags; else False."""
+    # torch.cpu.get_capabilities() says it too, but not in torch 2.6, which requirements.txt allows.
     try:
         with open(cpuinfo) as f:
             flags = f.read().split()
@@ -531,9 +532,9 @@ def cpu_has_bf16(cpuinfo="/proc/cpuinfo"):
 
 
 def autocast_dtype(dtype_arg, device):
-    """The dtype matmuls run in under autocast. auto: bfloat16 on CUDA (float16 where it has none) and on CPUs
-    with bf16 units, AVX512-BF16 or AMX (the demo trains about 1.5x faster to the same losses), else float32
-    (bfloat16 is slower on other CPUs)."""
+    """The dtype matmuls run in under autocast. auto: bfloat16 on CUDA (float16 where it has none) and on
+    CPUs with bf16 units, AVX512-BF16 or AMX (the demo trains about 1.5x faster to the same losses), else
+    float32 (bfloat16 is slower on other CPUs)."""
     if dtype_arg != "auto":
         return getattr(torch, dtype_arg)
     if device.startswith("cuda"):
@@ -610,9 +611,9 @@ def model_from_checkpoint(checkpoint):
     model = GPT(GPTConfig(**checkpoint["config"]))
     try:
         model.load_state_dict(checkpoint["model"])
-    except RuntimeError as e:  # a model changed since the checkpoint: weights missing, new or of other shapes
-        die(f"the checkpoint holds another model than this code builds ({str(e).splitlines()[1].strip()}); load it "
-            f"with the code that saved it")
+    except RuntimeError as e:  # the model was changed since: weights missing, new or of other shapes
+        die(f"the checkpoint holds another model than this code builds ({str(e).splitlines()[1].strip()}); "
+            f"load it with the code that saved it")
     return model
 # ---- end shared: checkpoint ----
 

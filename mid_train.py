@@ -137,7 +137,7 @@ def get_args(argv=None):
     p.add_argument("--seed", type=seed_int, default=1337, help="random seed (data order, val split)")
     p.add_argument("--device", default="auto", help="auto, cuda, cuda:N, mps or cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                   help="autocast dtype; auto: bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, else float32")
+                   help="autocast dtype; auto: bfloat16 on CUDA and bf16 CPUs (AVX512-BF16, AMX), else float32")
     p.add_argument("--fsdp", action="store_true",
                    help="shard weights, gradients and optimizer state over the ranks (FSDP2) instead of DDP")
     p.add_argument("--compile", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
@@ -297,9 +297,9 @@ class GPT(nn.Module):
             torch.nn.init.zeros_(module.bias)
 
     def forward(self, idx, targets=None, kv_cache=None, reduction="mean"):
-        """The logits of every position, and with targets (-1 where ignored) the cross-entropy loss over them:
-        their mean, or with reduction="sum" their sum (0 where there are none), which training divides itself.
-        Returns (logits, loss), loss None without targets."""
+        """The logits of every position, and with targets (-1 where ignored) the cross-entropy loss over
+        them: their mean, or with reduction="sum" their sum (0 where there are none), which training divides
+        itself. Returns (logits, loss), loss None without targets."""
         T = idx.size(1)
         start = kv_cache.pos if kv_cache is not None else 0  # the position of the first new token
         assert start + T <= self.config.block_size, f"{start + T} tokens are past the context {self.config.block_size}"
@@ -438,7 +438,8 @@ def load_source(kind, path):
             messages = row.get("messages") if isinstance(row, dict) else row
         else:  # a question and its answer
             if kind == "gsm8k":
-                has_text = isinstance(row, dict) and all(isinstance(row.get(k), str) for k in ("question", "answer"))
+                has_text = isinstance(row, dict) and all(isinstance(row.get(k), str)
+                                                         for k in ("question", "answer"))
                 if not has_text:
                     die(f"{where}: a GSM8K row needs question and answer, both strings")
                 question = row["question"]
@@ -528,9 +529,9 @@ def build_data(args, enc, capacity):
 
 class RowLoader:
     """(B, T) inputs and targets (-1 where no loss) on the device, from packed rows; each rank reads its own
-    B rows of every B * world_size. The row position, pos, is all the state there is; it goes in checkpoints."""
+    B rows of every B * world_size. The row position, pos, is all the state there is: checkpoints hold it."""
 
-    def __init__(self, tokens, mask, B, rank, world_size, device="cpu"):
+    def __init__(self, tokens, mask, B, rank, world_size, device):
         # uint16: widened a batch at a time
         self.tokens, self.mask = torch.from_numpy(tokens), torch.from_numpy(mask)
         self.B, self.rank, self.device = B, rank, device
@@ -553,7 +554,8 @@ class RowLoader:
 
     def next_batch(self):
         self.pos = self.batch_start(self.pos)
-        rows = slice(self.pos + self.B * self.rank, self.pos + self.B * (self.rank + 1))
+        start = self.pos + self.B * self.rank  # this rank's rows of the micro-batch
+        rows = slice(start, start + self.B)
         self.pos += self.micro_step_rows
         x = self.tokens[rows, :-1].long()
         y = self.tokens[rows, 1:].long().masked_fill(~self.mask[rows, 1:], -1)
@@ -575,9 +577,9 @@ def lr_multiplier(step, args):
 # ---- shared: step ----
 def train_step(model, optimizers, scaler, next_batch, grad_accum_steps, step_tokens, grad_clip,
                autocast_ctx):
-    """One optimizer step over grad_accum_steps micro-batches. Returns the step's metrics, this rank's part of
-    each as a device scalar (no host sync in here): its loss and gradient norm, and any metric added to them,
-    which the loop averages over the ranks and logs (the step line, log.jsonl, wandb)."""
+    """One optimizer step over grad_accum_steps micro-batches. Returns the step's metrics, this rank's part
+    of each as a device scalar (no host sync in here): its loss and gradient norm, and any metric added to
+    them, which the loop averages over the ranks and logs (the step line, log.jsonl, wandb)."""
     metrics = {}
     loss_accum = 0.0
     for micro_step in range(grad_accum_steps):
@@ -649,10 +651,7 @@ def main(argv=None):
     if rest:
         die(f"--total_batch_size {total_batch_size} is not divisible by micro_batch_size * seq_len * "
             f"world_size = {B} * {T} * {world_size}; change --total_batch_size or --micro_batch_size")
-    # what the out-of-memory line will advise
-    set_memory_advice(f"the micro-batch is --micro_batch_size {B} x --seq_len {T}; lower --micro_batch_size "
-                      f"(gradient accumulation keeps --total_batch_size {total_batch_size}); if 1 does not fit, the "
-                      f"model and its optimizer state do not: a smaller model, or --fsdp over several GPUs")
+    set_memory_advice(micro_batch_advice(B, T, total_batch_size))  # for the out-of-memory line
 
     # ---- the data: conversations rendered and packed into rows of T + 1 tokens
     splits = build_data(args, enc, T + 1)
@@ -752,8 +751,8 @@ def main(argv=None):
             if not stop:
                 val_loss = step_val_loss
                 if not math.isfinite(val_loss):
-                    stop_diverged(step, f"val loss {val_loss}", optimizers[0].param_groups[0]["lr"], args.out_dir,
-                                  saved_at_step=False)
+                    stop_diverged(step, f"val loss {val_loss}", optimizers[0].param_groups[0]["lr"],
+                                  args.out_dir, saved_at_step=False)
                 log({"step": step, "val_loss": val_loss}, f"step {step:5d} | val loss {val_loss:.4f}")
         if stop:
             save_checkpoint(step)
@@ -788,8 +787,8 @@ def main(argv=None):
         set_schedule(optimizers, lr_multiplier(step, args), step, args)
         # the targets the step will read, on all ranks
         step_tokens = train_loader.step_tokens(grad_accum_steps)
-        metrics = train_step(model, optimizers, scaler, train_loader.next_batch, grad_accum_steps, step_tokens,
-                             args.grad_clip, autocast_ctx)
+        metrics = train_step(model, optimizers, scaler, train_loader.next_batch, grad_accum_steps,
+                             step_tokens, args.grad_clip, autocast_ctx)
         metrics, stop = sync_ranks(device, metrics)  # the step is done
         seconds = time.perf_counter() - t0
         metrics["lr"] = optimizers[0].param_groups[0]["lr"]  # the lr AdamW stepped with
@@ -797,8 +796,8 @@ def main(argv=None):
         # divergence there.)
         if not math.isfinite(metrics["loss"]) or (
                 not scaler.is_enabled() and not math.isfinite(metrics["grad_norm"])):
-            stop_diverged(step, f"loss {metrics['loss']}, gradient norm {metrics['grad_norm']}", metrics["lr"],
-                          args.out_dir, saved_at_step)
+            stop_diverged(step, f"loss {metrics['loss']}, gradient norm {metrics['grad_norm']}",
+                          metrics["lr"], args.out_dir, saved_at_step)
         if saved_at_step:
             prune_checkpoints(args.out_dir, step, args.keep_checkpoints)
 
@@ -840,8 +839,8 @@ def init_distributed(device):
 
 
 def cpu_has_bf16(cpuinfo="/proc/cpuinfo"):
-    """Whether the CPU has bf16 units (AVX512-BF16 or AMX), as Linux lists its flags; False where no file says."""
-    # torch.cpu.get_capabilities() says it too, but only in recent torch, not in 2.6, which requirements.txt allows.
+    """Whether the CPU has bf16 units (AVX512-BF16 or AMX), by Linux's list of its flags; else False."""
+    # torch.cpu.get_capabilities() says it too, but not in torch 2.6, which requirements.txt allows.
     try:
         with open(cpuinfo) as f:
             flags = f.read().split()
@@ -851,9 +850,9 @@ def cpu_has_bf16(cpuinfo="/proc/cpuinfo"):
 
 
 def autocast_dtype(dtype_arg, device):
-    """The dtype matmuls run in under autocast. auto: bfloat16 on CUDA (float16 where it has none) and on CPUs
-    with bf16 units, AVX512-BF16 or AMX (the demo trains about 1.5x faster to the same losses), else float32
-    (bfloat16 is slower on other CPUs)."""
+    """The dtype matmuls run in under autocast. auto: bfloat16 on CUDA (float16 where it has none) and on
+    CPUs with bf16 units, AVX512-BF16 or AMX (the demo trains about 1.5x faster to the same losses), else
+    float32 (bfloat16 is slower on other CPUs)."""
     if dtype_arg != "auto":
         return getattr(torch, dtype_arg)
     if device.startswith("cuda"):
@@ -871,6 +870,13 @@ def autocast_context(device_type, dtype):
 
 
 # ---- shared: setup ----
+def micro_batch_advice(B, T, total_batch_size):
+    """The out-of-memory line's advice in the trainers: the micro-batch that failed, and what to lower."""
+    return (f"the micro-batch is --micro_batch_size {B} x --seq_len {T}; lower --micro_batch_size (gradient "
+            f"accumulation keeps --total_batch_size {total_batch_size}); if 1 does not fit, the model and its "
+            f"optimizer state do not: a smaller model, or --fsdp over several GPUs")
+
+
 def setup_training(raw_model, args, dtype, device):
     """Sharding, optimizers, DDP and compile, in the order they must happen, for init_distributed's device.
     Returns the module that trains and evaluates (DDP-wrapped and/or compiled), the optimizers, the grad scaler
@@ -879,8 +885,8 @@ def setup_training(raw_model, args, dtype, device):
     autocast_ctx = autocast_context(device.type, dtype)
     if args.fsdp:
         if world_size < 2 or args.optimizer == "muon" or dtype == torch.float16:
-            die("--fsdp shards AdamW in bfloat16 or float32 over processes: launch with torchrun --nproc_per_node=N, "
-                "without --optimizer muon or float16 (give --dtype float32 on a GPU without bfloat16)")
+            die("--fsdp shards AdamW in bfloat16 or float32 over processes: launch with torchrun "
+                "--nproc_per_node=N, without --optimizer muon or float16 (--dtype float32 on a GPU without it)")
         # FSDP2: each block, then the rest (embedding tied with the head, final norm). With bfloat16 the
         # blocks compute in it from fp32 master weights, and gradients are reduced in fp32.
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
@@ -899,7 +905,8 @@ def setup_training(raw_model, args, dtype, device):
         print0("compiling the model (the first step takes a minute or more)", flush=True)
     model = raw_model
     if world_size > 1 and not args.fsdp:
-        model = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None)  # a GPU a process
+        # a GPU a process
+        model = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None)
         # Compiled in place, DDP stays a DDP (for its gradient-sync switch), and Dynamo's DDPOptimizer splits
         # the graph at the gradient buckets, so that each bucket's all-reduce overlaps the rest of the
         # backward. Evals run its forward under no_grad, with no gradient sync.
@@ -926,7 +933,9 @@ def make_optimizers(model, args, device_type):
     weights of the layers the model marks with MUON_PARTS (the blocks' linear layers), and AdamW keeps the
     rest (the embedding tied with the head, biases, norms). A group may set its own lr: set_schedule scales
     each group's own peak."""
-    muon_layers = [m for m in model.modules() if hasattr(m, "MUON_PARTS")] if args.optimizer == "muon" else []
+    muon_layers = []
+    if args.optimizer == "muon":
+        muon_layers = [m for m in model.modules() if hasattr(m, "MUON_PARTS")]
     muon_params = {m.weight for m in muon_layers}
     adamw_params = [p for p in model.parameters() if p not in muon_params]
     groups = [dict(params=[p for p in adamw_params if p.dim() >= 2], weight_decay=args.weight_decay),
@@ -947,8 +956,9 @@ class Muon(torch.optim.Optimizer):
     the same update."""
 
     def __init__(self, params, lr, momentum, weight_decay):
-        # parts: a weight that stacks several matrices (query, key, value) is orthogonalized a part at a time
-        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, parts=1))
+        # Each group also gives its "parts" (make_optimizers): a weight that stacks several matrices (query, key,
+        # value) is orthogonalized a part at a time.
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -1034,15 +1044,16 @@ def exit_on_out_of_memory(main):
 
 # ---- shared: out_dir ----
 def prepare_out_dir(path):
-    """Create the --out_dir folder and take its .lock, refusing a folder that a live run writes into, before any
-    work starts. Then remove the *.tmp of a killed save: finished files are renamed from them, never the only
-    copy."""
+    """Create the --out_dir folder and take its .lock, refusing a folder that a live run writes into, before
+    any work starts. Then remove the *.tmp of a killed save: finished files are renamed from them, never the
+    only copy."""
     import fcntl
     try:
         os.makedirs(path, exist_ok=True)
         fd = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
-        die(f"--out_dir {path} cannot be created or written ({e.strerror}); give another folder or fix its permissions")
+        die(f"--out_dir {path} cannot be created or written ({e.strerror}); give another folder or fix its "
+            f"permissions")
     # a POSIX lock is the kernel's: it goes with its process (SIGKILL, a crash); the fd stays open till then
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -1050,11 +1061,11 @@ def prepare_out_dir(path):
         os.pwrite(fd, f"pid {os.getpid()} on host {os.uname().nodename}\n".encode(), 0)
     except (BlockingIOError, PermissionError):  # EAGAIN, EACCES: another process holds the lock
         holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a run that is starting"
-        die(f"--out_dir {path} is in use by a running run ({holder}); wait for it to end or stop it, or give "
-            f"another --out_dir")
+        die(f"--out_dir {path} is in use by a running run ({holder}); wait for it to end or stop it, or "
+            f"give another --out_dir")
     except OSError as e:  # ENOLCK & co: some network file systems
-        print(f"--out_dir {path}: this file system cannot lock files ({e.strerror}); a second run into it is not "
-              f"refused", file=sys.stderr)
+        print(f"--out_dir {path}: this file system cannot lock files ({e.strerror}); a second run into it "
+              f"is not refused", file=sys.stderr)
     # Only now, with the lock held, can no live run be saving here: the .tmp files are a killed save's.
     stale = sorted(glob.glob(os.path.join(path, "*.tmp")))
     for f in stale:
@@ -1096,9 +1107,9 @@ def model_from_checkpoint(checkpoint):
     model = GPT(GPTConfig(**checkpoint["config"]))
     try:
         model.load_state_dict(checkpoint["model"])
-    except RuntimeError as e:  # a model changed since the checkpoint: weights missing, new or of other shapes
-        die(f"the checkpoint holds another model than this code builds ({str(e).splitlines()[1].strip()}); load it "
-            f"with the code that saved it")
+    except RuntimeError as e:  # the model was changed since: weights missing, new or of other shapes
+        die(f"the checkpoint holds another model than this code builds ({str(e).splitlines()[1].strip()}); "
+            f"load it with the code that saved it")
     return model
 # ---- end shared: checkpoint ----
 
@@ -1241,16 +1252,17 @@ def load_hf_state_dict(model, hf_state):
     """Copy weights from transformers' GPT2LMHeadModel, whose Conv1D layers store weights transposed. A model
     whose weights have other names or shapes than GPT-2's is a one-line error naming one."""
     state = model.state_dict()
-    # the causal-mask buffers are no weights
-    hf_state = {name: value.t() if name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")) else value
-                for name, value in hf_state.items() if not name.endswith((".attn.bias", ".attn.masked_bias"))}
-    # each weight's name and shape, but for its rows: our embedding's are padded
-    ours = {name: tuple(value.shape[1:]) for name, value in state.items()}
-    theirs = {name: tuple(value.shape[1:]) for name, value in hf_state.items()}
+    transposed = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
+    causal_masks = (".attn.bias", ".attn.masked_bias")  # buffers, not weights
+    hf_state = {name: value.t() if name.endswith(transposed) else value
+                for name, value in hf_state.items() if not name.endswith(causal_masks)}
+    # each weight's name and the shape of its rows (our embedding has more rows: it is padded)
+    ours = {(name, value.shape[1:]) for name, value in state.items()}
+    theirs = {(name, value.shape[1:]) for name, value in hf_state.items()}
     if ours != theirs:
-        name, shape = min(ours.items() ^ theirs.items())
-        die(f"OpenAI's GPT-2 weights do not fit this model's layout ({name}, rows of shape {shape}, is in one of "
-            f"them only): train this model from scratch, or start from a checkpoint of it")
+        name, shape = min(ours ^ theirs)
+        die(f"OpenAI's GPT-2 weights do not fit this model's layout ({name}, rows of shape {tuple(shape)}, "
+            f"is in one of them only): train this model from scratch, or start from a checkpoint of it")
     with torch.no_grad():
         for name, value in hf_state.items():
             state[name][: value.size(0)].copy_(value)
@@ -1362,8 +1374,8 @@ class StepLog:
         for name, value in metrics.items():  # the metrics added in train_step
             if name not in ("loss", "lr", "grad_norm"):
                 line += f"{name} {value:.4g} | "
-        line += (f"{seconds * 1000:.1f} ms | {record['tok_per_s']:,.0f} tok/s | {record['tokens']:,} tokens | "
-                 f"mem {record['peak_mem_gib']:.2f} GiB | eta {record['eta_s'] / 60:,.1f} min")
+        line += (f"{seconds * 1000:.1f} ms | {record['tok_per_s']:,.0f} tok/s | {record['tokens']:,} tokens "
+                 f"| mem {record['peak_mem_gib']:.2f} GiB | eta {record['eta_s'] / 60:,.1f} min")
         if self.peak_flops:
             record["mfu"] = self.flops_per_step / seconds / (self.peak_flops * world_size)
             line += f" | MFU {record['mfu'] * 100:.1f}%"
@@ -1371,8 +1383,8 @@ class StepLog:
 
 
 def flops_per_token(model, seq_len):
-    """Training FLOPs per token: 6 for each weight of a linear layer (a multiply and an add, forward and twice
-    backward), plus attention's 12 * L * d * T (PaLM, app. B). Lookups (embeddings) and norms do no matmul."""
+    """Training FLOPs per token: 6 for each weight of a linear layer (a multiply and an add, forward and
+    twice backward), plus attention's 12 * L * d * T (PaLM, app. B); lookups and norms do no matmul."""
     linear_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
     return 6 * linear_weights + 12 * model.config.n_layer * model.config.n_embd * seq_len
 
@@ -1400,9 +1412,9 @@ def request_stop(signum, frame):
 
 def sync_ranks(device, metrics):
     """The mean over the ranks of each metric (a dict of device scalars), and whether any rank was asked to
-    stop: one all-reduce of one tensor, which every rank calls at the same points (every step, and in evals)."""
-    stop_flag = torch.tensor(float(stop_requested), device=device)
-    values = torch.stack([*(value.float() for value in metrics.values()), stop_flag])
+    stop: one all-reduce of one tensor, which every rank calls at the same points (each step, in evals)."""
+    # the metrics, of any dtype, and the stop flag: torch.stack promotes them to one float tensor
+    values = torch.stack([*metrics.values(), torch.tensor(float(stop_requested), device=device)])
     if world_size > 1:
         dist.all_reduce(values)
     # a host sync, a step's only one; any rank's stop flag of 1 leaves the mean above 0

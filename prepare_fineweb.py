@@ -341,15 +341,16 @@ positive_int, nonneg_int = ranged(int, 1), ranged(int, 0)
 
 # ---- shared: out_dir ----
 def prepare_out_dir(path):
-    """Create the --out_dir folder and take its .lock, refusing a folder that a live run writes into, before any
-    work starts. Then remove the *.tmp of a killed save: finished files are renamed from them, never the only
-    copy."""
+    """Create the --out_dir folder and take its .lock, refusing a folder that a live run writes into, before
+    any work starts. Then remove the *.tmp of a killed save: finished files are renamed from them, never the
+    only copy."""
     import fcntl
     try:
         os.makedirs(path, exist_ok=True)
         fd = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
-        die(f"--out_dir {path} cannot be created or written ({e.strerror}); give another folder or fix its permissions")
+        die(f"--out_dir {path} cannot be created or written ({e.strerror}); give another folder or fix its "
+            f"permissions")
     # a POSIX lock is the kernel's: it goes with its process (SIGKILL, a crash); the fd stays open till then
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -357,11 +358,11 @@ def prepare_out_dir(path):
         os.pwrite(fd, f"pid {os.getpid()} on host {os.uname().nodename}\n".encode(), 0)
     except (BlockingIOError, PermissionError):  # EAGAIN, EACCES: another process holds the lock
         holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a run that is starting"
-        die(f"--out_dir {path} is in use by a running run ({holder}); wait for it to end or stop it, or give "
-            f"another --out_dir")
+        die(f"--out_dir {path} is in use by a running run ({holder}); wait for it to end or stop it, or "
+            f"give another --out_dir")
     except OSError as e:  # ENOLCK & co: some network file systems
-        print(f"--out_dir {path}: this file system cannot lock files ({e.strerror}); a second run into it is not "
-              f"refused", file=sys.stderr)
+        print(f"--out_dir {path}: this file system cannot lock files ({e.strerror}); a second run into it "
+              f"is not refused", file=sys.stderr)
     # Only now, with the lock held, can no live run be saving here: the .tmp files are a killed save's.
     stale = sorted(glob.glob(os.path.join(path, "*.tmp")))
     for f in stale:

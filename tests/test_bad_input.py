@@ -123,6 +123,8 @@ CASES = [
     case("train-init_from-offline", "train_gpt2.py", "--data_dir", "{tmp}/data", "--out_dir", "{tmp}/out", "--device",
          "cpu", "--init_from", "gpt2", env=OFFLINE_HUB,
          expect="cannot be reached"),
+    case("train-demo-init_from-offline", "train_gpt2.py", "--demo", "--data_dir", "{tmp}/data", "--out_dir",
+         "{tmp}/out", "--device", "cpu", "--init_from", "gpt2", env=OFFLINE_HUB, expect="cannot be reached"),
     case("mid-init_from-offline", "mid_train.py", "--init_from", "gpt2", "--device", "cpu", "--out_dir", "{tmp}/mid",
          env=OFFLINE_HUB, expect="cannot be reached"),
     case("sample-hf-offline", "sample.py", "--hf", "gpt2", "--device", "cpu", env=OFFLINE_HUB, expect="cannot be reached"),
