@@ -13,10 +13,14 @@
 #                                # 400 steps x 32,768 tokens each (~6 min)
 #   bash bench/gpu.sh --part 4   # the largest micro-batch in 24 GiB (bench/max_micro_batch.py); a small base model
 #                                # then a short mid_train.py run on the bundle's chat, GSM8K and MMLU files (~5 min)
+#   bash bench/gpu.sh --part quick  # the parts' most telling steps in one call of 9 minutes, for a lease of 15
+#                                # minutes of device time: test_cuda.py, ours against the peer at micro-batch 64,
+#                                # the largest micro-batch in 24 GiB, a run with default flags under torchrun, an
+#                                # exact resume, HellaSwag; each step capped so that the whole ends in time
 #   bash bench/gpu.sh --dry_run  # anywhere (CPU): every part with tiny models and few steps, on a GPU machine
 #                                # faked by tests/fake_cuda, so that the scripts take their CUDA path
 #
-# Options: --bundle DIR (default .gpu_bundle), --part 1|2|3|4 (default: all four in order), --dry_run.
+# Options: --bundle DIR (default .gpu_bundle), --part 1|2|3|4|quick (default: all four in order), --dry_run.
 # A step that fails is marked FAIL and the part goes on; the exit status is 1 if any step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,7 +36,7 @@ while (($#)); do
         *) die "unknown argument '$1'; usage: bash bench/gpu.sh [--bundle DIR] [--part 1|2|3|4] [--dry_run]" ;;
     esac
 done
-case $parts in 1 | 2 | 3 | 4 | "1 2 3 4") ;; *) die "--part $parts: give 1, 2, 3 or 4" ;; esac
+case $parts in 1 | 2 | 3 | 4 | quick | "1 2 3 4") ;; *) die "--part $parts: give 1, 2, 3, 4 or quick" ;; esac
 compgen -G "$bundle/wheels/*.whl" >/dev/null || die "no wheels in $bundle/wheels: run bash bench/gpu_bundle.sh $bundle first"
 
 # The packages the GPU machine lacks, as its README installs them: no index (no internet there), no deps (the bundle
@@ -60,11 +64,11 @@ else  # tests/test_cuda.py's small GPT, as a GPU trains it
            --total_batch_size 8192 --val_tokens 65536 --dtype bfloat16 --compile on)
 fi
 
-failed=()
+failed=() cap=()
 step() {  # step NAME COMMAND...: run it with its output in the part's log too; a failure is marked, the part goes on
     local name=$1 start=$SECONDS rc; shift
     echo "=== $name: $*" | tee -a "$log"
-    "$@" 2>&1 | tee -a "$log"
+    "${cap[@]}" "$@" 2>&1 | tee -a "$log"
     rc=${PIPESTATUS[0]}
     ((rc == 0)) || failed+=("part $part: $name")
     echo "=== $name: $( ((rc == 0)) && echo PASS || echo "FAIL (exit $rc)"), $((SECONDS - start)) s" | tee -a "$log"
@@ -167,6 +171,33 @@ part4() {
         --num_samples 0
     step mid_train python3 mid_train.py --init_ckpt out/gpu/base --out_dir out/gpu/mid "${mid[@]}" --data \
         "chat:$bundle/mid/identity_conversations.jsonl" "gsm8k:$bundle/mid/train.jsonl" "mmlu:$bundle/mid/mmlu_dev"
+}
+
+partquick() {  # one device call: each step gets at most its share of what is left of 520 s (exit 124: cut off)
+    local end=$((SECONDS + 520))
+    capped() { cap=(timeout -k 5 $(($1 < end - SECONDS ? $1 : end - SECONDS))); }
+    make_shards >"$results/shards.log" 2>&1 &  # on the CPU, while the GPU runs the tests
+    local shards_made=$!
+    capped 170; step test_cuda python3 -m pytest -q -s -rs tests/test_cuda.py
+    local size=(--micro_batches 64 --steps 15)
+    [[ $dry ]] && size=(--dry_run --micro_batches 16)
+    capped 230; step gpu_vs_peer python3 bench/gpu_vs_peer.py --peer "$bundle/peer/train_gpt2.py" \
+        --work_dir out/gpu/peer "${size[@]}"
+    wait $shards_made; cat "$results/shards.log" >>"$log"
+    local probe=(); [[ $dry ]] && probe=(--dry_run)
+    capped 110; step max_micro_batch python3 bench/max_micro_batch.py --data_dir "$shards" \
+        --out_dir out/gpu/max-micro-batch "${probe[@]}"
+    # a small model with every other flag at its default (device, dtype, compile), as a user types it
+    local tiny=(--n_layer 4 --n_head 4 --n_embd 256 --seq_len 256 --micro_batch_size 16 --total_batch_size 8192)
+    [[ $dry ]] && tiny=("${small[@]}")
+    capped 90; step torchrun_defaults python3 -m torch.distributed.run --standalone --nproc_per_node=1 train_gpt2.py \
+        "${tiny[@]}" --data_dir "$shards" --out_dir out/gpu/torchrun --max_steps 40 --eval_every 20 \
+        --num_samples 1 --sample_len 16 --hellaswag_file "$hellaswag" --hellaswag_every 20 --hellaswag_limit 200
+    cap=()
+    ((end - SECONDS > 150)) && step resume_exact resume_exact
+    capped 60; ((end - SECONDS > 30)) && step hellaswag_defaults python3 hellaswag.py --ckpt out/gpu/torchrun \
+        --data_file "$hellaswag"
+    cap=()
 }
 
 for part in $parts; do
