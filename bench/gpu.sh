@@ -185,7 +185,7 @@ partquick() {  # one device call: each step gets at most its share of what is le
         --work_dir out/gpu/peer "${size[@]}"
     wait $shards_made; cat "$results/shards.log" >>"$log"
     local probe=(); [[ $dry ]] && probe=(--dry_run)
-    capped 110; step max_micro_batch python3 bench/max_micro_batch.py --data_dir "$shards" \
+    capped 170; step max_micro_batch python3 bench/max_micro_batch.py --data_dir "$shards" \
         --out_dir out/gpu/max-micro-batch "${probe[@]}"
     # a small model with every other flag at its default (device, dtype, compile), as a user types it
     local tiny=(--n_layer 4 --n_head 4 --n_embd 256 --seq_len 256 --micro_batch_size 16 --total_batch_size 8192)
