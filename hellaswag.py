@@ -14,6 +14,7 @@ padded batches, and the counts are identical to scoring them one at a time.
 import argparse
 import glob
 import json
+import math
 import os
 import sys
 import time
@@ -152,11 +153,14 @@ def score_hellaswag(model, rendered, device, n_vocab, autocast_ctx=nullcontext()
 
 
 def evaluate_hellaswag(model, examples, enc, device, batch_size=8, autocast_ctx=nullcontext(),
-                       split_ranks=True):
+                       split_ranks=True, should_stop=None):
     """(correct, correct_norm, count) over the examples, summed over the ranks: acc's and acc_norm's counts. The
-    examples are split across the ranks, but FSDP ranks, which forward in lockstep, each score all."""
+    examples are split across the ranks, but FSDP ranks, which forward in lockstep, each score all. In a
+    training loop, should_stop() is asked every 16 batches (a collective): True stops it, returning None."""
     n_vocab = min(enc.n_vocab, model.config.vocab_size)
     max_len = model.config.block_size
+    # the batches every rank has (a split may give a rank one more): the stop is asked only within them
+    batches_on_every_rank = math.ceil(len(examples) // (world_size if split_ranks else 1) / batch_size)
     if split_ranks:
         examples = examples[rank::world_size]
     rendered = [render_hellaswag(example, enc) for example in examples]
@@ -168,6 +172,9 @@ def evaluate_hellaswag(model, examples, enc, device, batch_size=8, autocast_ctx=
     rendered.sort(key=lambda example: max(map(len, example[0])))  # by length: batches with little padding
     correct = correct_norm = 0
     for i in progress(range(0, len(rendered), batch_size), "hellaswag"):
+        batch_index = i // batch_size
+        if should_stop and batch_index % 16 == 15 and batch_index < batches_on_every_rank and should_stop():
+            return None
         batch = rendered[i: i + batch_size]
         by_sum, by_mean = score_hellaswag(model, batch, device, n_vocab, autocast_ctx)
         for pred, pred_norm, (_, _, label) in zip(by_sum, by_mean, batch):
@@ -584,13 +591,18 @@ def exit_on_out_of_memory(main):
 CHECKPOINT_GLOB = "ckpt_*.pt"  # ckpt_0001000.pt: the step in 7 digits, so that name order is step order
 
 
+def checkpoint_files(folder):
+    """The checkpoints in folder, oldest first. The folder's name is escaped: `out/sweep[lr=1e-3]` is a name,
+    not a pattern."""
+    return sorted(glob.glob(os.path.join(glob.escape(folder), CHECKPOINT_GLOB)))
+
+
 def load_checkpoint(path, mmap=False):
     """(checkpoint, its path): a checkpoint file, or the newest readable one in an out_dir, where an
     unreadable newer one (a truncated, empty or foreign file) is passed over with a line. None readable is a
     one-line error."""
     # a file, or the checkpoints in a folder, the newest first
-    candidates = [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)),
-                                                              reverse=True)
+    candidates = [path] if os.path.isfile(path) else checkpoint_files(path)[::-1]
     problems = []
     for candidate in candidates:
         try:
@@ -604,7 +616,8 @@ def load_checkpoint(path, mmap=False):
         except Exception as e:
             problems.append(f"{candidate} is not a readable checkpoint ({type(e).__name__})")
     die(f"no readable checkpoint at {path} ({'; '.join(problems) or 'none there'}): give a ckpt_*.pt file of "
-        f"train_gpt2.py or mid_train.py, or an out_dir holding one (a --resume run: drop --resume to start afresh)")
+        f"train_gpt2.py or mid_train.py, or an out_dir holding one (a run to continue: start afresh in another "
+        f"--out_dir)")
 
 
 def model_from_checkpoint(checkpoint):

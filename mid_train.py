@@ -38,10 +38,13 @@ import itertools
 import json
 import math
 import os
+import platform
 import random
 import re
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -143,8 +146,10 @@ def get_args(argv=None):
     p.add_argument("--compile", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
                    help="torch.compile the model; auto: on for CUDA (on a CPU it gains less than the minute "
                         "it takes)")
-    p.add_argument("--eval_every", type=positive_int, default=100,
-                   help="val loss and samples every N steps (and at the end)")
+    p.add_argument("--eval_every", type=nonneg_int, default=100,
+                   help="val loss and samples every N steps (and at the end; 0: never)")
+    p.add_argument("--eval_tokens", type=nonneg_int, default=0,
+                   help="val tokens each eval reads, from the start of the val split (0: all of it)")
     p.add_argument("--num_samples", type=nonneg_int, default=1,
                    help="samples printed at each eval (0: none)")
     p.add_argument("--sample_len", type=positive_int, default=64,
@@ -152,8 +157,8 @@ def get_args(argv=None):
     p.add_argument("--prompt", default="What is the capital of France?",
                    help="prompt of the in-loop samples (a user message)")
     p.add_argument("--out_dir", default="out/mid", help="checkpoints, log.jsonl and wandb files go here")
-    p.add_argument("--save_every", type=positive_int, default=500,
-                   help="checkpoint every N steps (and at the end)")
+    p.add_argument("--save_every", type=nonneg_int, default=500,
+                   help="checkpoint every N steps (and at the end, and on a stop signal; 0: never)")
     p.add_argument("--keep_checkpoints", type=positive_int, default=3,
                    help="newest checkpoints kept in out_dir")
     p.add_argument("--resume", action="store_true",
@@ -163,6 +168,9 @@ def get_args(argv=None):
     p.add_argument("--peak_flops", type=positive_float,
                    help="device peak FLOP/s for MFU (known GPUs are detected)")
     p.add_argument("--wandb_project", help="log to this wandb project (WANDB_MODE=offline works)")
+    p.add_argument("--run", help="the run's name: wandb's name for it, and out/RUN when --out_dir is not given")
+    p.add_argument("--dry_run", action="store_true",
+                   help="train and evaluate as given, but write nothing: no checkpoint, log or summary")
     p.add_argument("--demo", action="store_true",
                    help="preset: out/demo (train_gpt2.py --demo) midtrained on questions about the Python "
                         "stdlib's functions (data/demo/chat.jsonl, from prepare_fineweb.py --demo) into out/mid, "
@@ -171,16 +179,24 @@ def get_args(argv=None):
     if args.demo:  # the preset changes the defaults; flags given explicitly still win
         p.set_defaults(**{k: v for k, v in DEMO_PRESET.items() if not (k == "init_ckpt" and args.init_from)})
         args = p.parse_args(argv)
-    if args.resume:
-        args = resume_args(p, argv, fixed=("init_ckpt", "init_from", "optimizer", "seed", "val_fraction"))
-    elif (args.init_ckpt is None) == (args.init_from is None):
+    if args.run:
+        p.set_defaults(out_dir=os.path.join("out", args.run))
+    if args.dry_run:  # a temporary out_dir, removed at the end: no run is continued, nothing is kept
+        argv = [*(sys.argv[1:] if argv is None else argv), "--out_dir", tempfile.mkdtemp(prefix="dry_run_")]
+    # an out_dir holding checkpoints continues its run; where it started and its data split stay as they were
+    args = resume_args(p, argv, fixed=("init_ckpt", "init_from", "optimizer", "seed", "val_fraction"), kind="mid")
+    if not args.resume_checkpoint and (args.init_ckpt is None) == (args.init_from is None):
         die("start from a base checkpoint with --init_ckpt, or from OpenAI's weights with --init_from gpt2")
     if args.demo and args.data == DEMO_PRESET["data"] and not os.path.exists("data/demo/chat.jsonl"):
         die("--demo trains on data/demo/chat.jsonl, which is missing: run python prepare_fineweb.py --demo first")
     demo_start_missing = (args.init_ckpt and not os.path.isfile(args.init_ckpt)
-                          and not glob.glob(os.path.join(args.init_ckpt, CHECKPOINT_GLOB)))
-    if args.demo and not args.resume and demo_start_missing:
+                          and not checkpoint_files(args.init_ckpt))
+    if args.demo and not args.resume_checkpoint and demo_start_missing:
         die(f"--demo starts from {args.init_ckpt}, which holds no checkpoint: run python train_gpt2.py --demo first")
+    muon = ("--optimizer muon", args.optimizer == "muon")
+    samples = ("--num_samples above 0", args.num_samples > 0)
+    say_unused_flags(p, args, {"muon_lr": muon, "muon_momentum": muon, "muon_momentum_warmup": muon,
+                               "muon_weight_decay": muon, "sample_len": samples, "prompt": samples})
     return args
 
 
@@ -427,7 +443,7 @@ def load_source(kind, path):
         rows = ((row, f"{kind}:hub row {i}") for i, row in enumerate(dataset))
     else:
         pattern = "*.csv" if kind == "mmlu" else "*.jsonl"
-        files = sorted(glob.glob(os.path.join(path, pattern))) if os.path.isdir(path) else [path]
+        files = sorted(glob.glob(os.path.join(glob.escape(path), pattern))) if os.path.isdir(path) else [path]
         if not files or not all(os.path.isfile(f) for f in files):
             die(f"--data {kind}:{path}: no such file or folder of {pattern} files")
         read = read_mmlu_csv if kind == "mmlu" else read_jsonl
@@ -618,6 +634,7 @@ def train_step(model, optimizers, scaler, next_batch, grad_accum_steps, step_tok
 
 
 def main(argv=None):
+    handle_stop_signals()  # before any work: a stop asked for during the set-up is not lost
     args = get_args(argv)
     device = init_distributed(args.device)
     torch.manual_seed(args.seed)
@@ -628,7 +645,7 @@ def main(argv=None):
 
     # ---- the model: the checkpoint to resume, a base checkpoint of ours, or OpenAI's weights
     checkpoint = None
-    if args.resume:
+    if args.resume_checkpoint:
         checkpoint, _ = load_checkpoint(args.resume_checkpoint)  # the one get_args found
         raw_model = model_from_checkpoint(checkpoint)
     elif args.init_ckpt:
@@ -652,6 +669,8 @@ def main(argv=None):
         die(f"--total_batch_size {total_batch_size} is not divisible by micro_batch_size * seq_len * "
             f"world_size = {B} * {T} * {world_size}; change --total_batch_size or --micro_batch_size")
     set_memory_advice(micro_batch_advice(B, T, total_batch_size))  # for the out-of-memory line
+    # saved as resolved: a resumed run with another micro-batch or number of ranks keeps the tokens per step
+    args.total_batch_size = total_batch_size
 
     # ---- the data: conversations rendered and packed into rows of T + 1 tokens
     splits = build_data(args, enc, T + 1)
@@ -678,6 +697,9 @@ def main(argv=None):
     # Every rank must run as many val batches as the others (the stop check, the all-reduce and FSDP's
     # forwards are collectives): the val rows are padded to whole micro-batches on every rank, with rows that
     # have no target (they add nothing to the loss or its count).
+    if args.eval_tokens:  # the first rows of the val split, at least one
+        val_rows = max(1, args.eval_tokens // T)
+        val_tokens, val_mask = val_tokens[:val_rows], val_mask[:val_rows]
     pad = -len(val_tokens) % micro_step_rows
     val_tokens = np.concatenate([val_tokens, np.full((pad, T + 1), EOT_TOKEN, val_tokens.dtype)])
     val_mask = np.concatenate([val_mask, np.zeros((pad, T + 1), bool)])
@@ -690,16 +712,31 @@ def main(argv=None):
     raw_model.to(device)
     dtype = autocast_dtype(args.dtype, device)
     model, optimizers, scaler, autocast_ctx = setup_training(raw_model, args, dtype, device)
+    token_bytes = token_byte_counts(enc, raw_model.config.vocab_size, device)  # for val bits per byte
 
     # ---- where a resumed run was, and the log
     start_step, val_loss, wandb_run_id = 0, None, None
+    best = {"val_loss": math.inf, "val_bpb": math.inf}  # the best evals of the run, kept across a resume
+    tokens, train_seconds = 0, 0.0  # consumed and spent before this process went on
     if checkpoint:
         start_step, val_loss, wandb_run_id = restore_training_state(checkpoint, raw_model, optimizers,
                                                                     scaler)
         train_loader.pos = checkpoint["loader"]["pos"]
+        best = checkpoint.get("best", best)
+        tokens = checkpoint.get("tokens", start_step * total_batch_size)
+        train_seconds = checkpoint.get("train_seconds", 0.0)
         print0(f"resuming from {args.resume_checkpoint} at step {start_step}")
         del checkpoint
+    # a stop signal during the set-up: nothing new to save, and the log stays as it was
+    _, stop = sync_ranks(device, {})
+    if stop:
+        print0("stopped by signal before the first step: nothing to save")
+        return
     log, wandb_run = open_run_log(args, start_step, wandb_run_id)
+    environment = run_environment(device)
+    log({"step": start_step, "flags": vars(args), "environment": environment},
+        "flags: " + " ".join(f"--{key} {value}" for key, value in vars(args).items())
+        + "\nenvironment: " + json.dumps(environment))
     parallelism = "one process"
     if world_size > 1:
         parallelism = "FSDP" if args.fsdp else "DDP"
@@ -711,52 +748,62 @@ def main(argv=None):
 
     @torch.no_grad()
     def evaluate_val_loss():
-        """The mean loss per learned token over the whole val split; None when a stop signal cut it short."""
+        """The mean loss per learned token over the whole val split, and the val bits per byte: the nats of
+        the learned targets that are text over ln 2 times their bytes. None when a stop signal cut it short."""
         val_loader.pos = 0
-        sums = torch.zeros(2, device=device)  # the loss summed over the learned tokens, and their count
+        # the loss summed over the learned tokens, their count, and the text targets' nats and bytes
+        sums = torch.zeros(4, device=device)
         for i in progress(range(len(val_tokens) // micro_step_rows), "val loss"):
             # a stop signal is asked about every 16 batches: a preempted job saves within seconds
             if i % 16 == 15:
                 _, stop = sync_ranks(device, {})
                 if stop:
-                    return None
+                    return None, None
             x, y = val_loader.next_batch()
             with autocast_ctx:
-                _, loss_sum = model(x, y, reduction="sum")
-            sums += torch.stack([loss_sum, (y >= 0).sum().float()])
+                _, losses = model(x, y, reduction="none")  # each target's loss, 0 where not learned
+            learned = y.view(-1) >= 0
+            target_bytes = token_bytes[y.view(-1)] * learned
+            sums += torch.stack([losses.sum(), learned.sum(), (losses * (target_bytes > 0)).sum(),
+                                 target_bytes.sum()])
         if world_size > 1:
             dist.all_reduce(sums)
-        return (sums[0] / sums[1]).item()
+        loss_sum, count, text_nats, text_bytes = sums.tolist()  # a host sync
+        return loss_sum / count, text_nats / (math.log(2) * text_bytes)
+
+    step_log = StepLog(args, total_batch_size, flops_per_token(raw_model, T), device, tokens)
 
     def save_checkpoint(step):
         save_training_checkpoint(raw_model, optimizers, scaler, args, step, kind="mid",
-                                 loader={"pos": train_loader.pos}, val_loss=val_loss,
+                                 loader={"pos": train_loader.pos}, val_loss=val_loss, best=best,
+                                 tokens=step_log.tokens, train_seconds=train_seconds + step_log.train_seconds,
                                  wandb_run_id=wandb_run.id if wandb_run else None, chat_tokens=CHAT_TOKENS,
                                  num_train_rows=len(train_tokens))
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, request_stop)
-    step_log = StepLog(args, total_batch_size, flops_per_token(raw_model, T), device)
-    stop = False  # agreed by all ranks
     reply_end = {enc.encode_single_token("<|assistant_end|>"), EOT_TOKEN}
 
     for step in range(start_step, args.max_steps + 1):
         last_step = step == args.max_steps
-        eval_now = step % args.eval_every == 0 or last_step
+        eval_now = args.eval_every and (step % args.eval_every == 0 or last_step)
 
         # once in a while evaluate the val loss; a stop signal cuts it short, then the run saves and stops
         if eval_now and not stop:
-            step_val_loss = evaluate_val_loss()
+            step_val_loss, val_bpb = evaluate_val_loss()
             stop = step_val_loss is None
             if not stop:
                 val_loss = step_val_loss
                 if not math.isfinite(val_loss):
                     stop_diverged(step, f"val loss {val_loss}", optimizers[0].param_groups[0]["lr"],
                                   args.out_dir, saved_at_step=False)
-                log({"step": step, "val_loss": val_loss}, f"step {step:5d} | val loss {val_loss:.4f}")
+                best = {"val_loss": min(best["val_loss"], val_loss), "val_bpb": min(best["val_bpb"], val_bpb)}
+                log({"step": step, "val_loss": val_loss, "val_bpb": val_bpb},
+                    f"step {step:5d} | val loss {val_loss:.4f} | val bpb {val_bpb:.4f}")
         if stop:
-            save_checkpoint(step)
-            print0(f"stopped by signal at step {step}; continue with --resume", flush=True)
+            if args.save_every:
+                save_checkpoint(step)
+                print0(f"stopped by signal at step {step}; the same command continues the run", flush=True)
+            else:
+                print0(f"stopped by signal at step {step}; nothing saved (--save_every 0)", flush=True)
             break
 
         # once in a while sample a reply (also at the start: what the base model replies before it learns the
@@ -775,11 +822,15 @@ def main(argv=None):
                        flush=True)
 
         # once in a while save a checkpoint (its life: the "checkpoint_life" block)
-        saved_at_step = step > start_step and (step % args.save_every == 0 or last_step)
+        saved_at_step = args.save_every and step > start_step and (step % args.save_every == 0 or last_step)
         if saved_at_step:
             save_checkpoint(step)
         if last_step:
             prune_checkpoints(args.out_dir, step, args.keep_checkpoints)
+            write_summary(log, args.out_dir, step, {
+                **{f"best_{name}": value for name, value in best.items()}, "tokens": step_log.tokens,
+                "train_seconds": train_seconds + step_log.train_seconds,
+                "flops": step_log.flops_per_token * step_log.tokens, "peak_mem_gib": peak_memory_gib(device)})
             break
 
         # one optimizer step
@@ -787,6 +838,13 @@ def main(argv=None):
         set_schedule(optimizers, lr_multiplier(step, args), step, args)
         # the targets the step will read, on all ranks
         step_tokens = train_loader.step_tokens(grad_accum_steps)
+        if step_tokens == 0:
+            # rows of prompts only: no loss to learn from, and an optimizer step would still move the weights
+            # (momentum, weight decay); the rows are passed over and the step does nothing
+            for _ in range(grad_accum_steps):
+                train_loader.next_batch()
+            print0(f"step {step:5d}/{args.max_steps} | no token to learn in its rows: skipped")
+            continue
         metrics = train_step(model, optimizers, scaler, train_loader.next_batch, grad_accum_steps,
                              step_tokens, args.grad_clip, autocast_ctx)
         metrics, stop = sync_ranks(device, metrics)  # the step is done
@@ -801,12 +859,15 @@ def main(argv=None):
         if saved_at_step:
             prune_checkpoints(args.out_dir, step, args.keep_checkpoints)
 
-        # the log: a line every log_every steps
+        # the log: a line every log_every steps, of the means since the last
+        step_log.add(metrics, seconds)
         if step % args.log_every == 0 or step == args.max_steps - 1:
-            log(*step_log.record(step, metrics, seconds))
+            log(*step_log.record(step))
 
     if wandb_run:
         wandb_run.finish()
+    if args.dry_run:
+        shutil.rmtree(args.out_dir, ignore_errors=True)
     if world_size > 1:
         dist.destroy_process_group()
 
@@ -870,6 +931,14 @@ def autocast_context(device_type, dtype):
 
 
 # ---- shared: setup ----
+def say_unused_flags(parser, args, needs):
+    """A flag given that does nothing in the mode chosen is said in a line, not ignored silently. needs:
+    {flag: (what it needs, whether this run has it)}. A flag counts as given when it is not its default."""
+    for flag, (what, present) in needs.items():
+        if not present and getattr(args, flag) != parser.get_default(flag):
+            print0(f"--{flag} does nothing without {what}: it is ignored")
+
+
 def micro_batch_advice(B, T, total_batch_size):
     """The out-of-memory line's advice in the trainers: the micro-batch that failed, and what to lower."""
     return (f"the micro-batch is --micro_batch_size {B} x --seq_len {T}; lower --micro_batch_size (gradient "
@@ -1067,7 +1136,7 @@ def prepare_out_dir(path):
         print(f"--out_dir {path}: this file system cannot lock files ({e.strerror}); a second run into it "
               f"is not refused", file=sys.stderr)
     # Only now, with the lock held, can no live run be saving here: the .tmp files are a killed save's.
-    stale = sorted(glob.glob(os.path.join(path, "*.tmp")))
+    stale = sorted(glob.glob(os.path.join(glob.escape(path), "*.tmp")))
     for f in stale:
         os.remove(f)
     if stale:
@@ -1080,13 +1149,18 @@ def prepare_out_dir(path):
 CHECKPOINT_GLOB = "ckpt_*.pt"  # ckpt_0001000.pt: the step in 7 digits, so that name order is step order
 
 
+def checkpoint_files(folder):
+    """The checkpoints in folder, oldest first. The folder's name is escaped: `out/sweep[lr=1e-3]` is a name,
+    not a pattern."""
+    return sorted(glob.glob(os.path.join(glob.escape(folder), CHECKPOINT_GLOB)))
+
+
 def load_checkpoint(path, mmap=False):
     """(checkpoint, its path): a checkpoint file, or the newest readable one in an out_dir, where an
     unreadable newer one (a truncated, empty or foreign file) is passed over with a line. None readable is a
     one-line error."""
     # a file, or the checkpoints in a folder, the newest first
-    candidates = [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)),
-                                                              reverse=True)
+    candidates = [path] if os.path.isfile(path) else checkpoint_files(path)[::-1]
     problems = []
     for candidate in candidates:
         try:
@@ -1100,7 +1174,8 @@ def load_checkpoint(path, mmap=False):
         except Exception as e:
             problems.append(f"{candidate} is not a readable checkpoint ({type(e).__name__})")
     die(f"no readable checkpoint at {path} ({'; '.join(problems) or 'none there'}): give a ckpt_*.pt file of "
-        f"train_gpt2.py or mid_train.py, or an out_dir holding one (a --resume run: drop --resume to start afresh)")
+        f"train_gpt2.py or mid_train.py, or an out_dir holding one (a run to continue: start afresh in another "
+        f"--out_dir)")
 
 
 def model_from_checkpoint(checkpoint):
@@ -1120,14 +1195,25 @@ def model_from_checkpoint(checkpoint):
 # the new one's weights have given a finite loss: the step's training loss, or at the last step the val loss.
 # Should they give a non-finite one, the run stops at once (stop_diverged), deletes that checkpoint and names
 # the newest good one to resume from; so a diverging run never pushes good checkpoints out. A stop signal
-# saves and exits without pruning (the resumed run prunes). --resume takes the newest readable checkpoint,
-# its flags as defaults (resume_args), and restore_training_state puts the optimizers back as they were.
+# saves and exits without pruning (the resumed run prunes). An out_dir holds one run: a command into a folder
+# that holds checkpoints continues that run from its newest readable one (with or without --resume), its flags
+# as defaults (resume_args); restore_training_state puts the optimizers back as they were.
 
-def resume_args(parser, argv, fixed):
-    """--resume: the flags of the newest readable checkpoint in out_dir become the defaults, so that a flag
-    given changes only itself, and the `fixed` ones (the model's shape, the optimizer) must stay. The
-    checkpoint's path is args.resume_checkpoint."""
-    checkpoint, path = load_checkpoint(parser.parse_args(argv).out_dir, mmap=True)  # no tensor is read yet
+def resume_args(parser, argv, fixed, kind):
+    """The flags of the run to continue: with --resume, or when out_dir holds checkpoints, the newest readable
+    one's flags become the defaults, so that a flag given changes only itself, and the `fixed` ones (the
+    model's shape, the optimizer, the data) must stay. Its path is args.resume_checkpoint (None: a new run).
+    `kind` is this script's checkpoint kind: a folder of the other script's run is refused."""
+    args = parser.parse_args(argv)
+    args.resume_checkpoint = None
+    if not args.resume and not checkpoint_files(args.out_dir):
+        return args
+    checkpoint, path = load_checkpoint(args.out_dir, mmap=True)  # no tensor is read yet
+    if checkpoint.get("kind") != kind:
+        die(f"--out_dir {args.out_dir} holds a run of the other script ({checkpoint['kind']} checkpoints): give "
+            f"this run another --out_dir")
+    if not args.resume:
+        print0(f"--out_dir {args.out_dir} holds a run: continuing it (a new run needs another --out_dir)")
     saved = dict(checkpoint["args"])
     for key in fixed:  # the model's shape as built: args hold None where --model gave it
         if key in checkpoint["config"]:
@@ -1147,6 +1233,14 @@ def resume_args(parser, argv, fixed):
     if changed:
         print0("resume: flags changed since the checkpoint: "
                + ", ".join(f"{key} {saved[key]} -> {getattr(args, key)}" for key in changed))
+    # a --max_steps below the checkpoint's step would train nothing and cut its records from the log
+    if args.max_steps < checkpoint["step"]:
+        die(f"--max_steps {args.max_steps} is below the step of the run in {args.out_dir} ({checkpoint['step']}); "
+            f"give a --max_steps above it, or another --out_dir for a new run")
+    if args.max_steps == checkpoint["step"]:
+        print0(f"the run in {args.out_dir} is complete (step {args.max_steps}): nothing to train; a higher "
+               f"--max_steps goes on, another --out_dir starts a new run")
+        sys.exit(0)
     args.resume_checkpoint = path
     return args
 
@@ -1165,7 +1259,8 @@ def restore_training_state(checkpoint, raw_model, optimizers, scaler):
                                                for ours, saved in zip(our_groups, saved_groups)]
     set_optimizer_state_dict(raw_model, optimizers, checkpoint["optimizer"],
                              options=StateDictOptions(full_state_dict=True))
-    scaler.load_state_dict(checkpoint["scaler"])
+    if checkpoint["scaler"]:  # empty from a run without float16's scaler: this one starts afresh
+        scaler.load_state_dict(checkpoint["scaler"])
     return checkpoint["step"], checkpoint["val_loss"], checkpoint["wandb_run_id"]
 
 
@@ -1200,8 +1295,7 @@ def checkpoint_path(out_dir, step):
 
 def older_checkpoints(out_dir, step):
     """The checkpoints in out_dir from steps before step, oldest first."""
-    return [path for path in sorted(glob.glob(os.path.join(out_dir, CHECKPOINT_GLOB)))
-            if path < checkpoint_path(out_dir, step)]
+    return [path for path in checkpoint_files(out_dir) if path < checkpoint_path(out_dir, step)]
 
 
 def prune_checkpoints(out_dir, step, keep):
@@ -1309,13 +1403,14 @@ def open_run_log(args, start_step, wandb_run_id):
         if args.wandb_project:
             import wandb
             try:
-                wandb_run = wandb.init(project=args.wandb_project, id=wandb_run_id,
+                wandb_run = wandb.init(project=args.wandb_project, name=args.run, id=wandb_run_id,
                                        resume="allow", config=vars(args), dir=args.out_dir)
             except wandb.errors.Error as e:  # not logged in (and no WANDB_MODE), a bad key, no network
                 die(f"--wandb_project: wandb cannot start ({str(e).splitlines()[0]}); run `wandb login`, or set "
                     f"WANDB_MODE=offline to log locally (wandb sync uploads it later)")
 
     def log(record, line):
+        record = {**record, "time": round(time.time(), 3)}  # wall-clock seconds since 1970
         if master_process:
             print(line, flush=True)
             try:
@@ -1352,34 +1447,85 @@ PEAK_BF16_FLOPS = {
 
 
 class StepLog:
-    """The step lines and records: a step's loss, lr, gradient norm, speed, peak memory, MFU and ETA."""
+    """The step lines and records. Each step adds its metrics (loss, lr, gradient norm, any added in
+    train_step) and time; every --log_every steps a line and a record give the interval's means, the last
+    loss, tok/s and MFU over the interval's time, and the tokens consumed so far, summed step by step."""
 
-    def __init__(self, args, tokens_per_step, flops_per_token, device):
+    def __init__(self, args, tokens_per_step, flops_per_token, device, tokens):
         self.max_steps = args.max_steps
         self.tokens_per_step = tokens_per_step
-        self.flops_per_step = flops_per_token * tokens_per_step
+        self.flops_per_token = flops_per_token
         self.device = device
+        self.tokens = tokens  # consumed before this run went on (a resumed run's checkpoint says how many)
+        self.train_seconds = 0.0  # this process's time in training steps, for the summary
+        self.interval = []  # (metrics, seconds) of each step since the last line
         # MFU needs the device's peak FLOP/s: --peak_flops, or the table's entry for this GPU
         device_name = torch.cuda.get_device_name(device) if device.startswith("cuda") else device
         self.peak_flops = args.peak_flops or PEAK_BF16_FLOPS.get(device_name)
 
-    def record(self, step, metrics, seconds):
-        """The log record and line of a step's metrics (loss, lr, grad_norm and any added to them). tok/s is
-        over all ranks (which keep in step), MFU over all devices; memory is rank 0's."""
-        record = {"step": step, **metrics, "tokens": (step + 1) * self.tokens_per_step, "ms": seconds * 1000,
-                  "tok_per_s": self.tokens_per_step / seconds, "peak_mem_gib": peak_memory_gib(self.device),
-                  "eta_s": seconds * (self.max_steps - 1 - step)}  # at this step's speed
-        line = (f"step {step:5d}/{self.max_steps} | loss {metrics['loss']:.6f} | lr {metrics['lr']:.4e} | "
-                f"norm {metrics['grad_norm']:.4f} | ")
-        for name, value in metrics.items():  # the metrics added in train_step
-            if name not in ("loss", "lr", "grad_norm"):
+    def add(self, metrics, seconds):
+        self.interval.append((metrics, seconds))
+        self.tokens += self.tokens_per_step
+        self.train_seconds += seconds
+
+    def record(self, step):
+        """The record and line of the steps added since the last one. Each step's time is rank 0's, which waits
+        in the step's all-reduce for the slowest rank: so tok/s (over all ranks) and MFU (over all devices) are
+        the slowest rank's. Memory is rank 0's."""
+        seconds = sum(step_seconds for _, step_seconds in self.interval)
+        means = {name: sum(m[name] for m, _ in self.interval) / len(self.interval) for name in self.interval[-1][0]}
+        means["lr"] = self.interval[-1][0]["lr"]  # the lr of the step logged
+        means["last_loss"] = self.interval[-1][0]["loss"]
+        step_seconds = seconds / len(self.interval)
+        tokens = self.tokens_per_step * len(self.interval)
+        record = {"step": step, **means, "tokens": self.tokens, "ms": step_seconds * 1000,
+                  "tok_per_s": tokens / seconds, "peak_mem_gib": peak_memory_gib(self.device),
+                  "eta_s": step_seconds * (self.max_steps - 1 - step)}  # at the interval's speed
+        self.interval = []
+        line = (f"step {step:5d}/{self.max_steps} | loss {means['loss']:.6f} | lr {means['lr']:.4e} | "
+                f"norm {means['grad_norm']:.4f} | ")
+        for name, value in means.items():  # the metrics added in train_step
+            if name not in ("loss", "lr", "grad_norm", "last_loss"):
                 line += f"{name} {value:.4g} | "
-        line += (f"{seconds * 1000:.1f} ms | {record['tok_per_s']:,.0f} tok/s | {record['tokens']:,} tokens "
+        line += (f"{step_seconds * 1000:.1f} ms | {record['tok_per_s']:,.0f} tok/s | {self.tokens:,} tokens "
                  f"| mem {record['peak_mem_gib']:.2f} GiB | eta {record['eta_s'] / 60:,.1f} min")
         if self.peak_flops:
-            record["mfu"] = self.flops_per_step / seconds / (self.peak_flops * world_size)
+            record["mfu"] = self.flops_per_token * tokens / seconds / (self.peak_flops * world_size)
             line += f" | MFU {record['mfu'] * 100:.1f}%"
         return record, line
+
+
+def token_byte_counts(enc, vocab_size, device):
+    """Each token's length in bytes of text; 0 for special tokens and the padded vocab's unused ids, which
+    val bits per byte counts as neither text nor bytes."""
+    special = {enc.encode_single_token(token) for token in enc.special_tokens_set}
+    counts = [0 if i in special or i >= enc.n_vocab else len(enc.decode_single_token_bytes(i))
+              for i in range(vocab_size)]
+    return torch.tensor(counts, device=device)
+
+
+def run_environment(device):
+    """What explains a run besides its flags: versions, the device, the ranks, and the environment variables
+    that change how torch, CUDA, NCCL, Hugging Face and wandb behave, never one that holds a secret."""
+    prefixes = ("CUDA_", "NCCL_", "TORCH", "PYTORCH_", "OMP_", "HF_", "WANDB_", "SLURM_JOB")
+    secret = re.compile("KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL", re.IGNORECASE)
+    variables = {name: value for name, value in sorted(os.environ.items())
+                 if name.startswith(prefixes) and not secret.search(name)}
+    device_name = torch.cuda.get_device_name(device) if device.startswith("cuda") else device
+    return {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "device": device_name, "world_size": world_size, "host": platform.node(), "variables": variables}
+
+
+def write_summary(log, out_dir, step, summary):
+    """The run's summary at its end: a line, a record and out_dir/summary.json. An eval that never ran (its
+    best still infinite) is None."""
+    summary = {name: None if value == math.inf else value for name, value in summary.items()}
+    line = " | ".join(f"{name} {value:.6g}" if isinstance(value, float) else f"{name} {value}"
+                      for name, value in summary.items())
+    log({"step": step, "summary": summary}, f"summary: {line}")
+    if master_process:
+        write_file(os.path.join(out_dir, "summary.json"), lambda f: f.write(json.dumps(summary, indent=1).encode()),
+                   "free space in --out_dir")
 
 
 def flops_per_token(model, seq_len):
@@ -1408,6 +1554,40 @@ def request_stop(signum, frame):
     global stop_requested
     stop_requested = True
     signal.signal(signum, signal.SIG_DFL)  # a second signal stops at once
+
+
+class OutputThatCannotFail:
+    """sys.stdout and sys.stderr of a run. Under `| tee`, Ctrl-C ends tee too, and the next print would raise
+    BrokenPipeError (a full disk: OSError) before the stop save. From the first failed write on, the stream's
+    file descriptor points at /dev/null (so Python's flush at exit succeeds too) and the run goes on: its
+    records are in log.jsonl."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+    def write(self, text):
+        try:
+            return self.stream.write(text)
+        except OSError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+            return len(text)
+
+    def flush(self):
+        try:
+            self.stream.flush()
+        except OSError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+
+
+def handle_stop_signals():
+    """From here on SIGTERM and Ctrl-C request a stop (the loop saves, then exits), and losing stdout or stderr
+    stops nothing."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, request_stop)
+    sys.stdout, sys.stderr = OutputThatCannotFail(sys.stdout), OutputThatCannotFail(sys.stderr)
 
 
 def sync_ranks(device, metrics):

@@ -364,7 +364,7 @@ def prepare_out_dir(path):
         print(f"--out_dir {path}: this file system cannot lock files ({e.strerror}); a second run into it "
               f"is not refused", file=sys.stderr)
     # Only now, with the lock held, can no live run be saving here: the .tmp files are a killed save's.
-    stale = sorted(glob.glob(os.path.join(path, "*.tmp")))
+    stale = sorted(glob.glob(os.path.join(glob.escape(path), "*.tmp")))
     for f in stale:
         os.remove(f)
     if stale:

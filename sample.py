@@ -579,13 +579,18 @@ def exit_on_out_of_memory(main):
 CHECKPOINT_GLOB = "ckpt_*.pt"  # ckpt_0001000.pt: the step in 7 digits, so that name order is step order
 
 
+def checkpoint_files(folder):
+    """The checkpoints in folder, oldest first. The folder's name is escaped: `out/sweep[lr=1e-3]` is a name,
+    not a pattern."""
+    return sorted(glob.glob(os.path.join(glob.escape(folder), CHECKPOINT_GLOB)))
+
+
 def load_checkpoint(path, mmap=False):
     """(checkpoint, its path): a checkpoint file, or the newest readable one in an out_dir, where an
     unreadable newer one (a truncated, empty or foreign file) is passed over with a line. None readable is a
     one-line error."""
     # a file, or the checkpoints in a folder, the newest first
-    candidates = [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)),
-                                                              reverse=True)
+    candidates = [path] if os.path.isfile(path) else checkpoint_files(path)[::-1]
     problems = []
     for candidate in candidates:
         try:
@@ -599,7 +604,8 @@ def load_checkpoint(path, mmap=False):
         except Exception as e:
             problems.append(f"{candidate} is not a readable checkpoint ({type(e).__name__})")
     die(f"no readable checkpoint at {path} ({'; '.join(problems) or 'none there'}): give a ckpt_*.pt file of "
-        f"train_gpt2.py or mid_train.py, or an out_dir holding one (a --resume run: drop --resume to start afresh)")
+        f"train_gpt2.py or mid_train.py, or an out_dir holding one (a run to continue: start afresh in another "
+        f"--out_dir)")
 
 
 def model_from_checkpoint(checkpoint):

@@ -17,9 +17,12 @@ import glob
 import json
 import math
 import os
+import platform
 import re
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
@@ -120,8 +123,8 @@ def get_args(argv=None):
                    help="torch.compile the model; auto: on for CUDA (on a CPU it gains less than the minute "
                         "it takes)")
     # eval, sampling, checkpoints, logging
-    p.add_argument("--eval_every", type=positive_int, default=250,
-                   help="val loss and samples every N steps (and at the end)")
+    p.add_argument("--eval_every", type=nonneg_int, default=250,
+                   help="val loss and samples every N steps (and at the end; 0: never)")
     p.add_argument("--val_tokens", type=positive_int, default=10485760,
                    help="tokens of the val shard each eval reads")
     p.add_argument("--num_samples", type=nonneg_int, default=4,
@@ -134,17 +137,21 @@ def get_args(argv=None):
     p.add_argument("--hellaswag_limit", type=nonneg_int, default=0,
                    help="examples per HellaSwag eval (0: all)")
     p.add_argument("--out_dir", default="out", help="checkpoints, log.jsonl and wandb files go here")
-    p.add_argument("--save_every", type=positive_int, default=1000,
-                   help="checkpoint every N steps (and at the end)")
+    p.add_argument("--save_every", type=nonneg_int, default=1000,
+                   help="checkpoint every N steps (and at the end, and on a stop signal; 0: never)")
     p.add_argument("--keep_checkpoints", type=positive_int, default=3,
                    help="newest checkpoints kept in out_dir")
     p.add_argument("--resume", action="store_true",
-                   help="continue the run of the newest checkpoint in out_dir; flags not given take its values")
+                   help="continue the run in out_dir (as the same command does when out_dir holds one), and "
+                        "refuse to start a new one; flags not given take its values")
     p.add_argument("--log_every", type=positive_int, default=1,
                    help="log every N-th step (a line and a record)")
     p.add_argument("--peak_flops", type=positive_float,
                    help="device peak FLOP/s for MFU (known GPUs are detected)")
     p.add_argument("--wandb_project", help="log to this wandb project (WANDB_MODE=offline works)")
+    p.add_argument("--run", help="the run's name: wandb's name for it, and out/RUN when --out_dir is not given")
+    p.add_argument("--dry_run", action="store_true",
+                   help="train and evaluate as given, but write nothing: no checkpoint, log or summary")
     p.add_argument("--demo", action="store_true",
                    help="preset: a small GPT on data/demo (prepare_fineweb.py --demo)")
     args = p.parse_args(argv)
@@ -153,10 +160,20 @@ def get_args(argv=None):
         preset = {key: value for key, value in DEMO_PRESET.items() if not (args.init_from and key in model_flags)}
         p.set_defaults(**preset)
         args = p.parse_args(argv)
-    if args.resume:
-        args = resume_args(p, argv, fixed=("model", *model_flags, "init_from", "optimizer"))
+    if args.run:
+        p.set_defaults(out_dir=os.path.join("out", args.run))
+    if args.dry_run:  # a temporary out_dir, removed at the end: no run is continued, nothing is kept
+        argv = [*(sys.argv[1:] if argv is None else argv), "--out_dir", tempfile.mkdtemp(prefix="dry_run_")]
+    # an out_dir holding checkpoints continues its run; the model, optimizer and data stay as they were
+    args = resume_args(p, argv, fixed=("model", *model_flags, "init_from", "optimizer", "data_dir"), kind="base")
     if not args.prompt and args.num_samples:
         print0("--prompt is empty: the in-loop samples start from <|endoftext|>")
+    muon = ("--optimizer muon", args.optimizer == "muon")
+    hellaswag = ("--hellaswag_file", args.hellaswag_file is not None)
+    samples = ("--num_samples above 0", args.num_samples > 0)
+    say_unused_flags(p, args, {"muon_lr": muon, "muon_momentum": muon, "muon_momentum_warmup": muon,
+                               "muon_weight_decay": muon, "hellaswag_every": hellaswag,
+                               "hellaswag_limit": hellaswag, "sample_len": samples, "prompt": samples})
     return args
 
 
@@ -318,7 +335,7 @@ def find_shards(data_dir, split):
     names). The split is the word right before the index, never "train" anywhere in the name
     (pretrain_val_000000.bin is val): a val shard must never train."""
     shard = re.compile(rf"(^|_){split}(_\d+)?\.(bin|npy)$")
-    return sorted(f for f in glob.glob(os.path.join(data_dir, "*")) if shard.search(os.path.basename(f)))
+    return sorted(f for f in glob.glob(os.path.join(glob.escape(data_dir), "*")) if shard.search(os.path.basename(f)))
 
 
 # What a checkpoint's data position depends on: a run that reads the shards otherwise cannot go on from it.
@@ -457,6 +474,7 @@ def train_step(model, optimizers, scaler, next_batch, grad_accum_steps, step_tok
 
 
 def main(argv=None):
+    handle_stop_signals()  # before any work: a stop asked for during the set-up is not lost
     args = get_args(argv)
     device = init_distributed(args.device)
     torch.manual_seed(args.seed)
@@ -485,7 +503,7 @@ def main(argv=None):
     checkpoint = None
     model_flags = {field.name: getattr(args, field.name) for field in fields(GPTConfig)
                    if getattr(args, field.name) is not None}
-    if args.resume:
+    if args.resume_checkpoint:
         checkpoint, _ = load_checkpoint(args.resume_checkpoint)  # the one get_args found
         raw_model = model_from_checkpoint(checkpoint)
     elif args.init_from:
@@ -520,6 +538,7 @@ def main(argv=None):
     hellaswag_examples = (load_hellaswag(args.hellaswag_file, args.hellaswag_limit) if args.hellaswag_file
                           else None)
     enc = get_tokenizer()
+    token_bytes = token_byte_counts(enc, raw_model.config.vocab_size, device)  # for val bits per byte
 
     # ---- the training setup
     # raw_model is what is saved, sampled and scored; model is what trains and evaluates (DDP-wrapped,
@@ -531,13 +550,27 @@ def main(argv=None):
 
     # ---- where a resumed run was, and the log
     start_step, val_loss, wandb_run_id = 0, None, None
+    best = {"val_loss": math.inf, "val_bpb": math.inf}  # the best evals of the run, kept across a resume
+    tokens, train_seconds = 0, 0.0  # consumed and spent before this process went on
     if checkpoint:
         start_step, val_loss, wandb_run_id = restore_training_state(checkpoint, raw_model, optimizers,
                                                                     scaler)
         train_loader.load_state(checkpoint["loader"])
+        best = checkpoint.get("best", best)
+        tokens = checkpoint.get("tokens", start_step * args.total_batch_size)
+        train_seconds = checkpoint.get("train_seconds", 0.0)
         print0(f"resuming from {args.resume_checkpoint} at step {start_step}")
         del checkpoint
+    # a stop signal during the set-up: nothing new to save, and the log stays as it was
+    _, stop = sync_ranks(device, {})
+    if stop:
+        print0("stopped by signal before the first step: nothing to save")
+        return
     log, wandb_run = open_run_log(args, start_step, wandb_run_id)
+    environment = run_environment(device)
+    log({"step": start_step, "flags": vars(args), "environment": environment},
+        "flags: " + " ".join(f"--{key} {value}" for key, value in vars(args).items())
+        + "\nenvironment: " + json.dumps(environment))
     parallelism = "one process"
     if world_size > 1:
         parallelism = "FSDP" if args.fsdp else "DDP"
@@ -550,60 +583,74 @@ def main(argv=None):
 
     @torch.no_grad()
     def evaluate_val_loss():
-        """The mean val loss over the same val tokens every time; None when a stop signal cut it short."""
+        """The mean val loss over the same val tokens every time, and the val bits per byte: the nats of the
+        targets that are text over ln 2 times their bytes. None when a stop signal cut it short."""
         val_loader.seek(0, 0, 0, 0)
-        loss_sum = torch.zeros((), device=device)
+        loss_sum, text_nats, text_bytes = torch.zeros(3, device=device)
         for i in progress(range(val_steps), "val loss"):
             # a stop signal is asked about every 16 batches: a preempted job saves within seconds
             if i % 16 == 15:
                 _, stop_now = sync_ranks(device, {})
                 if stop_now:
-                    return None
+                    return None, None
             x, y = val_loader.next_batch()
             with autocast_ctx:
-                _, loss = model(x, y)
-            loss_sum += loss
+                _, losses = model(x, y, reduction="none")  # each target's loss
+            loss_sum += losses.mean()
+            target_bytes = token_bytes[y.view(-1)]
+            text_nats += (losses * (target_bytes > 0)).sum()  # masked by a product: no host sync
+            text_bytes += target_bytes.sum()
+        sums = torch.stack([loss_sum, text_nats, text_bytes])
         if world_size > 1:
-            dist.all_reduce(loss_sum)
-        return loss_sum.item() / val_steps / world_size
+            dist.all_reduce(sums)
+        loss_sum, text_nats, text_bytes = sums.tolist()  # a host sync
+        return loss_sum / val_steps / world_size, text_nats / (math.log(2) * text_bytes)
+
+    step_log = StepLog(args, args.total_batch_size, flops_per_token(raw_model, T), device, tokens)
 
     def save_checkpoint(step):
         save_training_checkpoint(raw_model, optimizers, scaler, args, step, kind="base",
-                                 loader=train_loader.state(), val_loss=val_loss,
+                                 loader=train_loader.state(), val_loss=val_loss, best=best,
+                                 tokens=step_log.tokens, train_seconds=train_seconds + step_log.train_seconds,
                                  wandb_run_id=wandb_run.id if wandb_run else None)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, request_stop)
-    step_log = StepLog(args, args.total_batch_size, flops_per_token(raw_model, T), device)
-    stop = False  # agreed by all ranks
+    hellaswag_acc_norm = None
 
     for step in range(start_step, args.max_steps + 1):
         last_step = step == args.max_steps
-        eval_now = step % args.eval_every == 0 or last_step
+        eval_now = args.eval_every and (step % args.eval_every == 0 or last_step)
 
         # once in a while evaluate the val loss; a stop signal cuts it short, then the run saves and stops
         if eval_now and not stop:
-            step_val_loss = evaluate_val_loss()
+            step_val_loss, val_bpb = evaluate_val_loss()
             stop = step_val_loss is None
             if not stop:
                 val_loss = step_val_loss
                 if not math.isfinite(val_loss):
                     stop_diverged(step, f"val loss {val_loss}", optimizers[0].param_groups[0]["lr"],
                                   args.out_dir, saved_at_step=False)
-                log({"step": step, "val_loss": val_loss, "val_tokens": val_tokens},
-                    f"step {step:5d} | val loss {val_loss:.4f} ({val_tokens:,} tokens)")
-        if stop:
-            save_checkpoint(step)
-            print0(f"stopped by signal at step {step}; continue with --resume", flush=True)
-            break
+                best = {"val_loss": min(best["val_loss"], val_loss), "val_bpb": min(best["val_bpb"], val_bpb)}
+                log({"step": step, "val_loss": val_loss, "val_bpb": val_bpb, "val_tokens": val_tokens},
+                    f"step {step:5d} | val loss {val_loss:.4f} | val bpb {val_bpb:.4f} ({val_tokens:,} tokens)")
 
-        # once in a while evaluate HellaSwag
-        if hellaswag_examples and (step % args.hellaswag_every == 0 or last_step):
-            correct, correct_norm, count = evaluate_hellaswag(raw_model, hellaswag_examples, enc, device, 16,
-                                                              autocast_ctx, split_ranks=not args.fsdp)
-            acc, acc_norm = correct / count, correct_norm / count
-            log({"step": step, "hellaswag_acc": acc, "hellaswag_acc_norm": acc_norm},
-                f"step {step:5d} | hellaswag acc {acc:.4f} acc_norm {acc_norm:.4f} ({count})")
+        # once in a while evaluate HellaSwag; a stop signal cuts it short too
+        if hellaswag_examples and (step % args.hellaswag_every == 0 or last_step) and not stop:
+            scores = evaluate_hellaswag(raw_model, hellaswag_examples, enc, device, 16, autocast_ctx,
+                                        split_ranks=not args.fsdp, should_stop=lambda: sync_ranks(device, {})[1])
+            stop = scores is None
+            if not stop:
+                correct, correct_norm, count = scores
+                acc, acc_norm = correct / count, correct_norm / count
+                hellaswag_acc_norm = acc_norm
+                log({"step": step, "hellaswag_acc": acc, "hellaswag_acc_norm": acc_norm},
+                    f"step {step:5d} | hellaswag acc {acc:.4f} acc_norm {acc_norm:.4f} ({count})")
+        if stop:
+            if args.save_every:
+                save_checkpoint(step)
+                print0(f"stopped by signal at step {step}; the same command continues the run", flush=True)
+            else:
+                print0(f"stopped by signal at step {step}; nothing saved (--save_every 0)", flush=True)
+            break
 
         # once in a while sample from the model (not at the start: it has learned nothing new yet); under
         # FSDP every rank runs the forward passes, as the weights are sharded
@@ -618,11 +665,15 @@ def main(argv=None):
                 print0(f"---- sample {i} ----\n{args.prompt}{enc.decode(sample)}")
 
         # once in a while save a checkpoint (its life: the "checkpoint_life" block)
-        saved_at_step = step > start_step and (step % args.save_every == 0 or last_step)
+        saved_at_step = args.save_every and step > start_step and (step % args.save_every == 0 or last_step)
         if saved_at_step:
             save_checkpoint(step)
         if last_step:  # the last step only evaluates and saves: it does not train
             prune_checkpoints(args.out_dir, step, args.keep_checkpoints)
+            write_summary(log, args.out_dir, step, {
+                **{f"best_{name}": value for name, value in best.items()}, "hellaswag_acc_norm": hellaswag_acc_norm,
+                "tokens": step_log.tokens, "train_seconds": train_seconds + step_log.train_seconds,
+                "flops": step_log.flops_per_token * step_log.tokens, "peak_mem_gib": peak_memory_gib(device)})
             break
 
         # one optimizer step
@@ -643,12 +694,15 @@ def main(argv=None):
         if saved_at_step:
             prune_checkpoints(args.out_dir, step, args.keep_checkpoints)
 
-        # the log: a line every log_every steps
+        # the log: a line every log_every steps, of the means since the last
+        step_log.add(metrics, seconds)
         if step % args.log_every == 0 or step == args.max_steps - 1:
-            log(*step_log.record(step, metrics, seconds))
+            log(*step_log.record(step))
 
     if wandb_run:
         wandb_run.finish()
+    if args.dry_run:
+        shutil.rmtree(args.out_dir, ignore_errors=True)
     if world_size > 1:
         dist.destroy_process_group()
 
@@ -714,6 +768,14 @@ def autocast_context(device_type, dtype):
 
 
 # ---- shared: setup ----
+def say_unused_flags(parser, args, needs):
+    """A flag given that does nothing in the mode chosen is said in a line, not ignored silently. needs:
+    {flag: (what it needs, whether this run has it)}. A flag counts as given when it is not its default."""
+    for flag, (what, present) in needs.items():
+        if not present and getattr(args, flag) != parser.get_default(flag):
+            print0(f"--{flag} does nothing without {what}: it is ignored")
+
+
 def micro_batch_advice(B, T, total_batch_size):
     """The out-of-memory line's advice in the trainers: the micro-batch that failed, and what to lower."""
     return (f"the micro-batch is --micro_batch_size {B} x --seq_len {T}; lower --micro_batch_size (gradient "
@@ -911,7 +973,7 @@ def prepare_out_dir(path):
         print(f"--out_dir {path}: this file system cannot lock files ({e.strerror}); a second run into it "
               f"is not refused", file=sys.stderr)
     # Only now, with the lock held, can no live run be saving here: the .tmp files are a killed save's.
-    stale = sorted(glob.glob(os.path.join(path, "*.tmp")))
+    stale = sorted(glob.glob(os.path.join(glob.escape(path), "*.tmp")))
     for f in stale:
         os.remove(f)
     if stale:
@@ -924,13 +986,18 @@ def prepare_out_dir(path):
 CHECKPOINT_GLOB = "ckpt_*.pt"  # ckpt_0001000.pt: the step in 7 digits, so that name order is step order
 
 
+def checkpoint_files(folder):
+    """The checkpoints in folder, oldest first. The folder's name is escaped: `out/sweep[lr=1e-3]` is a name,
+    not a pattern."""
+    return sorted(glob.glob(os.path.join(glob.escape(folder), CHECKPOINT_GLOB)))
+
+
 def load_checkpoint(path, mmap=False):
     """(checkpoint, its path): a checkpoint file, or the newest readable one in an out_dir, where an
     unreadable newer one (a truncated, empty or foreign file) is passed over with a line. None readable is a
     one-line error."""
     # a file, or the checkpoints in a folder, the newest first
-    candidates = [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, CHECKPOINT_GLOB)),
-                                                              reverse=True)
+    candidates = [path] if os.path.isfile(path) else checkpoint_files(path)[::-1]
     problems = []
     for candidate in candidates:
         try:
@@ -944,7 +1011,8 @@ def load_checkpoint(path, mmap=False):
         except Exception as e:
             problems.append(f"{candidate} is not a readable checkpoint ({type(e).__name__})")
     die(f"no readable checkpoint at {path} ({'; '.join(problems) or 'none there'}): give a ckpt_*.pt file of "
-        f"train_gpt2.py or mid_train.py, or an out_dir holding one (a --resume run: drop --resume to start afresh)")
+        f"train_gpt2.py or mid_train.py, or an out_dir holding one (a run to continue: start afresh in another "
+        f"--out_dir)")
 
 
 def model_from_checkpoint(checkpoint):
@@ -964,14 +1032,25 @@ def model_from_checkpoint(checkpoint):
 # the new one's weights have given a finite loss: the step's training loss, or at the last step the val loss.
 # Should they give a non-finite one, the run stops at once (stop_diverged), deletes that checkpoint and names
 # the newest good one to resume from; so a diverging run never pushes good checkpoints out. A stop signal
-# saves and exits without pruning (the resumed run prunes). --resume takes the newest readable checkpoint,
-# its flags as defaults (resume_args), and restore_training_state puts the optimizers back as they were.
+# saves and exits without pruning (the resumed run prunes). An out_dir holds one run: a command into a folder
+# that holds checkpoints continues that run from its newest readable one (with or without --resume), its flags
+# as defaults (resume_args); restore_training_state puts the optimizers back as they were.
 
-def resume_args(parser, argv, fixed):
-    """--resume: the flags of the newest readable checkpoint in out_dir become the defaults, so that a flag
-    given changes only itself, and the `fixed` ones (the model's shape, the optimizer) must stay. The
-    checkpoint's path is args.resume_checkpoint."""
-    checkpoint, path = load_checkpoint(parser.parse_args(argv).out_dir, mmap=True)  # no tensor is read yet
+def resume_args(parser, argv, fixed, kind):
+    """The flags of the run to continue: with --resume, or when out_dir holds checkpoints, the newest readable
+    one's flags become the defaults, so that a flag given changes only itself, and the `fixed` ones (the
+    model's shape, the optimizer, the data) must stay. Its path is args.resume_checkpoint (None: a new run).
+    `kind` is this script's checkpoint kind: a folder of the other script's run is refused."""
+    args = parser.parse_args(argv)
+    args.resume_checkpoint = None
+    if not args.resume and not checkpoint_files(args.out_dir):
+        return args
+    checkpoint, path = load_checkpoint(args.out_dir, mmap=True)  # no tensor is read yet
+    if checkpoint.get("kind") != kind:
+        die(f"--out_dir {args.out_dir} holds a run of the other script ({checkpoint['kind']} checkpoints): give "
+            f"this run another --out_dir")
+    if not args.resume:
+        print0(f"--out_dir {args.out_dir} holds a run: continuing it (a new run needs another --out_dir)")
     saved = dict(checkpoint["args"])
     for key in fixed:  # the model's shape as built: args hold None where --model gave it
         if key in checkpoint["config"]:
@@ -991,6 +1070,14 @@ def resume_args(parser, argv, fixed):
     if changed:
         print0("resume: flags changed since the checkpoint: "
                + ", ".join(f"{key} {saved[key]} -> {getattr(args, key)}" for key in changed))
+    # a --max_steps below the checkpoint's step would train nothing and cut its records from the log
+    if args.max_steps < checkpoint["step"]:
+        die(f"--max_steps {args.max_steps} is below the step of the run in {args.out_dir} ({checkpoint['step']}); "
+            f"give a --max_steps above it, or another --out_dir for a new run")
+    if args.max_steps == checkpoint["step"]:
+        print0(f"the run in {args.out_dir} is complete (step {args.max_steps}): nothing to train; a higher "
+               f"--max_steps goes on, another --out_dir starts a new run")
+        sys.exit(0)
     args.resume_checkpoint = path
     return args
 
@@ -1009,7 +1096,8 @@ def restore_training_state(checkpoint, raw_model, optimizers, scaler):
                                                for ours, saved in zip(our_groups, saved_groups)]
     set_optimizer_state_dict(raw_model, optimizers, checkpoint["optimizer"],
                              options=StateDictOptions(full_state_dict=True))
-    scaler.load_state_dict(checkpoint["scaler"])
+    if checkpoint["scaler"]:  # empty from a run without float16's scaler: this one starts afresh
+        scaler.load_state_dict(checkpoint["scaler"])
     return checkpoint["step"], checkpoint["val_loss"], checkpoint["wandb_run_id"]
 
 
@@ -1044,8 +1132,7 @@ def checkpoint_path(out_dir, step):
 
 def older_checkpoints(out_dir, step):
     """The checkpoints in out_dir from steps before step, oldest first."""
-    return [path for path in sorted(glob.glob(os.path.join(out_dir, CHECKPOINT_GLOB)))
-            if path < checkpoint_path(out_dir, step)]
+    return [path for path in checkpoint_files(out_dir) if path < checkpoint_path(out_dir, step)]
 
 
 def prune_checkpoints(out_dir, step, keep):
@@ -1153,13 +1240,14 @@ def open_run_log(args, start_step, wandb_run_id):
         if args.wandb_project:
             import wandb
             try:
-                wandb_run = wandb.init(project=args.wandb_project, id=wandb_run_id,
+                wandb_run = wandb.init(project=args.wandb_project, name=args.run, id=wandb_run_id,
                                        resume="allow", config=vars(args), dir=args.out_dir)
             except wandb.errors.Error as e:  # not logged in (and no WANDB_MODE), a bad key, no network
                 die(f"--wandb_project: wandb cannot start ({str(e).splitlines()[0]}); run `wandb login`, or set "
                     f"WANDB_MODE=offline to log locally (wandb sync uploads it later)")
 
     def log(record, line):
+        record = {**record, "time": round(time.time(), 3)}  # wall-clock seconds since 1970
         if master_process:
             print(line, flush=True)
             try:
@@ -1196,34 +1284,85 @@ PEAK_BF16_FLOPS = {
 
 
 class StepLog:
-    """The step lines and records: a step's loss, lr, gradient norm, speed, peak memory, MFU and ETA."""
+    """The step lines and records. Each step adds its metrics (loss, lr, gradient norm, any added in
+    train_step) and time; every --log_every steps a line and a record give the interval's means, the last
+    loss, tok/s and MFU over the interval's time, and the tokens consumed so far, summed step by step."""
 
-    def __init__(self, args, tokens_per_step, flops_per_token, device):
+    def __init__(self, args, tokens_per_step, flops_per_token, device, tokens):
         self.max_steps = args.max_steps
         self.tokens_per_step = tokens_per_step
-        self.flops_per_step = flops_per_token * tokens_per_step
+        self.flops_per_token = flops_per_token
         self.device = device
+        self.tokens = tokens  # consumed before this run went on (a resumed run's checkpoint says how many)
+        self.train_seconds = 0.0  # this process's time in training steps, for the summary
+        self.interval = []  # (metrics, seconds) of each step since the last line
         # MFU needs the device's peak FLOP/s: --peak_flops, or the table's entry for this GPU
         device_name = torch.cuda.get_device_name(device) if device.startswith("cuda") else device
         self.peak_flops = args.peak_flops or PEAK_BF16_FLOPS.get(device_name)
 
-    def record(self, step, metrics, seconds):
-        """The log record and line of a step's metrics (loss, lr, grad_norm and any added to them). tok/s is
-        over all ranks (which keep in step), MFU over all devices; memory is rank 0's."""
-        record = {"step": step, **metrics, "tokens": (step + 1) * self.tokens_per_step, "ms": seconds * 1000,
-                  "tok_per_s": self.tokens_per_step / seconds, "peak_mem_gib": peak_memory_gib(self.device),
-                  "eta_s": seconds * (self.max_steps - 1 - step)}  # at this step's speed
-        line = (f"step {step:5d}/{self.max_steps} | loss {metrics['loss']:.6f} | lr {metrics['lr']:.4e} | "
-                f"norm {metrics['grad_norm']:.4f} | ")
-        for name, value in metrics.items():  # the metrics added in train_step
-            if name not in ("loss", "lr", "grad_norm"):
+    def add(self, metrics, seconds):
+        self.interval.append((metrics, seconds))
+        self.tokens += self.tokens_per_step
+        self.train_seconds += seconds
+
+    def record(self, step):
+        """The record and line of the steps added since the last one. Each step's time is rank 0's, which waits
+        in the step's all-reduce for the slowest rank: so tok/s (over all ranks) and MFU (over all devices) are
+        the slowest rank's. Memory is rank 0's."""
+        seconds = sum(step_seconds for _, step_seconds in self.interval)
+        means = {name: sum(m[name] for m, _ in self.interval) / len(self.interval) for name in self.interval[-1][0]}
+        means["lr"] = self.interval[-1][0]["lr"]  # the lr of the step logged
+        means["last_loss"] = self.interval[-1][0]["loss"]
+        step_seconds = seconds / len(self.interval)
+        tokens = self.tokens_per_step * len(self.interval)
+        record = {"step": step, **means, "tokens": self.tokens, "ms": step_seconds * 1000,
+                  "tok_per_s": tokens / seconds, "peak_mem_gib": peak_memory_gib(self.device),
+                  "eta_s": step_seconds * (self.max_steps - 1 - step)}  # at the interval's speed
+        self.interval = []
+        line = (f"step {step:5d}/{self.max_steps} | loss {means['loss']:.6f} | lr {means['lr']:.4e} | "
+                f"norm {means['grad_norm']:.4f} | ")
+        for name, value in means.items():  # the metrics added in train_step
+            if name not in ("loss", "lr", "grad_norm", "last_loss"):
                 line += f"{name} {value:.4g} | "
-        line += (f"{seconds * 1000:.1f} ms | {record['tok_per_s']:,.0f} tok/s | {record['tokens']:,} tokens "
+        line += (f"{step_seconds * 1000:.1f} ms | {record['tok_per_s']:,.0f} tok/s | {self.tokens:,} tokens "
                  f"| mem {record['peak_mem_gib']:.2f} GiB | eta {record['eta_s'] / 60:,.1f} min")
         if self.peak_flops:
-            record["mfu"] = self.flops_per_step / seconds / (self.peak_flops * world_size)
+            record["mfu"] = self.flops_per_token * tokens / seconds / (self.peak_flops * world_size)
             line += f" | MFU {record['mfu'] * 100:.1f}%"
         return record, line
+
+
+def token_byte_counts(enc, vocab_size, device):
+    """Each token's length in bytes of text; 0 for special tokens and the padded vocab's unused ids, which
+    val bits per byte counts as neither text nor bytes."""
+    special = {enc.encode_single_token(token) for token in enc.special_tokens_set}
+    counts = [0 if i in special or i >= enc.n_vocab else len(enc.decode_single_token_bytes(i))
+              for i in range(vocab_size)]
+    return torch.tensor(counts, device=device)
+
+
+def run_environment(device):
+    """What explains a run besides its flags: versions, the device, the ranks, and the environment variables
+    that change how torch, CUDA, NCCL, Hugging Face and wandb behave, never one that holds a secret."""
+    prefixes = ("CUDA_", "NCCL_", "TORCH", "PYTORCH_", "OMP_", "HF_", "WANDB_", "SLURM_JOB")
+    secret = re.compile("KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL", re.IGNORECASE)
+    variables = {name: value for name, value in sorted(os.environ.items())
+                 if name.startswith(prefixes) and not secret.search(name)}
+    device_name = torch.cuda.get_device_name(device) if device.startswith("cuda") else device
+    return {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "device": device_name, "world_size": world_size, "host": platform.node(), "variables": variables}
+
+
+def write_summary(log, out_dir, step, summary):
+    """The run's summary at its end: a line, a record and out_dir/summary.json. An eval that never ran (its
+    best still infinite) is None."""
+    summary = {name: None if value == math.inf else value for name, value in summary.items()}
+    line = " | ".join(f"{name} {value:.6g}" if isinstance(value, float) else f"{name} {value}"
+                      for name, value in summary.items())
+    log({"step": step, "summary": summary}, f"summary: {line}")
+    if master_process:
+        write_file(os.path.join(out_dir, "summary.json"), lambda f: f.write(json.dumps(summary, indent=1).encode()),
+                   "free space in --out_dir")
 
 
 def flops_per_token(model, seq_len):
@@ -1252,6 +1391,40 @@ def request_stop(signum, frame):
     global stop_requested
     stop_requested = True
     signal.signal(signum, signal.SIG_DFL)  # a second signal stops at once
+
+
+class OutputThatCannotFail:
+    """sys.stdout and sys.stderr of a run. Under `| tee`, Ctrl-C ends tee too, and the next print would raise
+    BrokenPipeError (a full disk: OSError) before the stop save. From the first failed write on, the stream's
+    file descriptor points at /dev/null (so Python's flush at exit succeeds too) and the run goes on: its
+    records are in log.jsonl."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+    def write(self, text):
+        try:
+            return self.stream.write(text)
+        except OSError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+            return len(text)
+
+    def flush(self):
+        try:
+            self.stream.flush()
+        except OSError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+
+
+def handle_stop_signals():
+    """From here on SIGTERM and Ctrl-C request a stop (the loop saves, then exits), and losing stdout or stderr
+    stops nothing."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, request_stop)
+    sys.stdout, sys.stderr = OutputThatCannotFail(sys.stdout), OutputThatCannotFail(sys.stderr)
 
 
 def sync_ranks(device, metrics):
@@ -1320,11 +1493,14 @@ def score_hellaswag(model, rendered, device, n_vocab, autocast_ctx=nullcontext()
 
 
 def evaluate_hellaswag(model, examples, enc, device, batch_size=8, autocast_ctx=nullcontext(),
-                       split_ranks=True):
+                       split_ranks=True, should_stop=None):
     """(correct, correct_norm, count) over the examples, summed over the ranks: acc's and acc_norm's counts. The
-    examples are split across the ranks, but FSDP ranks, which forward in lockstep, each score all."""
+    examples are split across the ranks, but FSDP ranks, which forward in lockstep, each score all. In a
+    training loop, should_stop() is asked every 16 batches (a collective): True stops it, returning None."""
     n_vocab = min(enc.n_vocab, model.config.vocab_size)
     max_len = model.config.block_size
+    # the batches every rank has (a split may give a rank one more): the stop is asked only within them
+    batches_on_every_rank = math.ceil(len(examples) // (world_size if split_ranks else 1) / batch_size)
     if split_ranks:
         examples = examples[rank::world_size]
     rendered = [render_hellaswag(example, enc) for example in examples]
@@ -1336,6 +1512,9 @@ def evaluate_hellaswag(model, examples, enc, device, batch_size=8, autocast_ctx=
     rendered.sort(key=lambda example: max(map(len, example[0])))  # by length: batches with little padding
     correct = correct_norm = 0
     for i in progress(range(0, len(rendered), batch_size), "hellaswag"):
+        batch_index = i // batch_size
+        if should_stop and batch_index % 16 == 15 and batch_index < batches_on_every_rank and should_stop():
+            return None
         batch = rendered[i: i + batch_size]
         by_sum, by_mean = score_hellaswag(model, batch, device, n_vocab, autocast_ctx)
         for pred, pred_norm, (_, _, label) in zip(by_sum, by_mean, batch):

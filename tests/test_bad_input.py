@@ -28,7 +28,7 @@ MID = ["--init_ckpt", "{tmp}/ckpt.pt", "--device", "cpu", "--out_dir", "{tmp}/mi
 
 CASES = [
     # ---- numeric flags out of range: parse time, the message names the flag and the range
-    case("train-eval_every-0", "train_gpt2.py", "--eval_every", 0, expect="argument --eval_every"),
+    case("train-eval_every-neg", "train_gpt2.py", "--eval_every", -1, expect="argument --eval_every"),
     case("train-save_every-neg", "train_gpt2.py", "--save_every", -1, expect="argument --save_every"),
     case("train-log_every-0", "train_gpt2.py", "--log_every", 0, expect="argument --log_every"),
     case("train-micro_batch_size-0", "train_gpt2.py", "--micro_batch_size", 0, expect="argument --micro_batch_size"),
@@ -51,7 +51,7 @@ CASES = [
          expect="--vocab_size 1000 is smaller than the tokenizer's 50257 tokens"),
     case("mid-lr-neg", "mid_train.py", "--lr", -2e-4, expect="argument --lr"),
     case("mid-val_fraction-1.5", "mid_train.py", "--val_fraction", 1.5, expect="argument --val_fraction"),
-    case("mid-eval_every-0", "mid_train.py", "--eval_every", 0, expect="argument --eval_every"),
+    case("mid-eval_every-neg", "mid_train.py", "--eval_every", -1, expect="argument --eval_every"),
     case("mid-keep_checkpoints-0", "mid_train.py", "--keep_checkpoints", 0, expect="argument --keep_checkpoints"),
     case("mid-max_steps-neg", "mid_train.py", "--max_steps", -1, expect="argument --max_steps"),
     case("sample-top_p-0", "sample.py", "--ckpt", "x", "--top_p", 0, expect="argument --top_p"),
@@ -318,7 +318,8 @@ def run_dir(tmp_path_factory):
     write_shard(str(tmp / "data" / "t_train_000001.bin"), tokens[::-1])
     run("train_gpt2.py", *TINY, "--data_dir", tmp / "data", "--out_dir", tmp / "run", "--max_steps", 4,
         "--save_every", 2, "--eval_every", 2, check=True)
-    assert sorted(os.listdir(tmp / "run")) == [".lock", "ckpt_0000002.pt", "ckpt_0000004.pt", "log.jsonl"]
+    assert sorted(os.listdir(tmp / "run")) == [".lock", "ckpt_0000002.pt", "ckpt_0000004.pt", "log.jsonl",
+                                               "summary.json"]
     return tmp
 
 
@@ -355,7 +356,8 @@ def test_pruning_never_deletes_the_new_checkpoint_below_a_broken_newer_one(run_d
     proc = run("train_gpt2.py", "--out_dir", out, "--resume", "--max_steps", 3, "--save_every", 1,
                "--keep_checkpoints", 1)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sorted(os.listdir(out)) == [".lock", "ckpt_0000003.pt", "ckpt_0000004.pt", "log.jsonl"]
+    assert sorted(os.listdir(out)) == [".lock", "ckpt_0000003.pt", "ckpt_0000004.pt", "log.jsonl",
+                                       "summary.json"]
     assert torch_load(out / "ckpt_0000003.pt")["step"] == 3
 
 
@@ -371,7 +373,8 @@ def test_resume_drops_a_half_written_log_line_and_stale_temp_files(run_dir, tmp_
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "dropping 1 unreadable (half-written) line" in proc.stderr
     assert "removed 2 stale temp file(s)" in proc.stdout and "ckpt_0000004.pt.tmp" in proc.stdout
-    assert sorted(p.name for p in out.iterdir()) == [".lock", "ckpt_0000002.pt", "ckpt_0000004.pt", "log.jsonl"]
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "ckpt_0000002.pt", "ckpt_0000004.pt", "log.jsonl",
+                                                     "summary.json"]
     records = read_log(out)  # every line whole again
     assert [r["step"] for r in records if "loss" in r] == [0, 1, 2, 3]
     assert [r["step"] for r in records if "val_loss" in r] == [0, 2, 4]

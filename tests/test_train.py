@@ -72,19 +72,6 @@ def test_loss_falls_on_real_text(shards, tmp_path):
     assert all(not k.startswith(("module.", "_orig_mod.")) for k in ckpt["model"])
 
 
-def test_log_every_logs_every_nth_step_with_its_tokens(shards, tmp_path):
-    flags = [*TINY, "--data_dir", shards, "--max_steps", 7, "--eval_every", 100]
-    run("train_gpt2.py", *flags, "--out_dir", tmp_path / "every", check=True)
-    sparse = run("train_gpt2.py", *flags, "--out_dir", tmp_path / "sparse", "--log_every", 3, check=True)
-    per_step = {r["step"]: r for r in read_log(tmp_path / "every") if "loss" in r}
-    logged = {r["step"]: r for r in read_log(tmp_path / "sparse") if "loss" in r}
-    assert sorted(logged) == [0, 3, 6]
-    for step in (3, 6):  # the step's own values: logging less changes nothing else
-        assert logged[step]["loss"] == per_step[step]["loss"] and logged[step]["grad_norm"] == per_step[step]["grad_norm"]
-        assert logged[step]["tokens"] == (step + 1) * 256
-    assert "step     3/7 | loss" in sparse.stdout and " | eta " in sparse.stdout
-
-
 def test_resume_reproduces_uninterrupted_run(shards, tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     flags = [*TINY, "--data_dir", shards, "--max_steps", 12, "--eval_every", 6, "--save_every", 6]
@@ -316,8 +303,9 @@ def test_resume_takes_the_checkpoints_flags_and_new_ones_that_are_given(shards, 
         proc = resume(f"bad{given[0]}", *given)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:") and expect in lines[0], proc.stderr
-    proc = run("mid_train.py", "--out_dir", tmp_path / "alone", "--resume", "--optimizer", "muon")  # the same rule
-    assert proc.returncode == 2 and proc.stderr.startswith("error: --optimizer muon: the checkpoint"), proc.stderr
+    # a folder of train_gpt2.py's run is not mid_train.py's to continue
+    proc = run("mid_train.py", "--out_dir", tmp_path / "alone", "--resume", "--optimizer", "muon")
+    assert proc.returncode == 2 and "holds a run of the other script" in proc.stderr, proc.stderr
 
 
 def rank_pid(parent_pid, rank):
@@ -417,7 +405,8 @@ def test_divergence_stops_at_once_and_keeps_the_good_checkpoints(shards, tmp_pat
     stopped = int(err[0].split("step ")[1].split()[0])
     assert stopped <= 6 + 2  # within two steps of the lr that diverged
     assert all(math.isfinite(loss) for loss in train_losses(out).values())  # no NaN step was trained on or logged
-    assert sorted(os.listdir(out)) == [".lock", "ckpt_0000002.pt", "ckpt_0000004.pt", "ckpt_0000006.pt", "log.jsonl"]
+    assert sorted(os.listdir(out)) == [".lock", "ckpt_0000002.pt", "ckpt_0000004.pt", "ckpt_0000006.pt", "log.jsonl",
+                                       "summary.json"]
     for name in ("ckpt_0000002.pt", "ckpt_0000004.pt", "ckpt_0000006.pt"):
         weights = torch.load(out / name, weights_only=True)["model"].values()
         assert all(torch.isfinite(w).all() for w in weights)

@@ -1,0 +1,197 @@
+"""A run folder's life (issues 47 and 49): an out_dir holds one run, and the same command continues it; what a run
+logs (val bits per byte, interval means, its flags and environment, a summary); the mistakes users make with run
+folders end in the right outcome, with nothing deleted or overwritten."""
+
+import glob
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from conftest import REPO, TINY, read_log, run, torchrun
+
+
+def checkpoints(out_dir):
+    return sorted(os.path.basename(path) for path in glob.glob(os.path.join(glob.escape(str(out_dir)), "ckpt_*.pt")))
+
+
+def test_the_same_command_continues_the_run_and_a_changed_model_is_one_line(shards, tmp_path):
+    out = tmp_path / "rr"
+    command = [*TINY, "--data_dir", shards, "--out_dir", out, "--eval_every", 3, "--save_every", 3]
+    run("train_gpt2.py", *command, "--max_steps", 6, check=True)
+    log_before = (out / "log.jsonl").read_bytes()
+    # typed again: the run is complete, and nothing changes
+    again = run("train_gpt2.py", *command, "--max_steps", 6, check=True)
+    assert "is complete" in again.stdout
+    assert (out / "log.jsonl").read_bytes() == log_before
+    # with more steps: it goes on from step 6, and the log keeps every record
+    more = run("train_gpt2.py", *command, "--max_steps", 9, check=True)
+    assert "holds a run: continuing it" in more.stdout and "at step 6" in more.stdout
+    steps = [r["step"] for r in read_log(out) if "loss" in r]
+    assert steps == list(range(9)), steps
+    assert checkpoints(out) == ["ckpt_0000003.pt", "ckpt_0000006.pt", "ckpt_0000009.pt"]
+    # another model, or fewer steps than the run has: one line, and the folder as it was
+    log_before = (out / "log.jsonl").read_bytes()
+    for flags, words in ((["--n_layer", 3, "--max_steps", 12], "--n_layer 3"), (["--max_steps", 4], "below the step")):
+        proc = run("train_gpt2.py", *command, *flags)
+        assert proc.returncode == 2 and words in proc.stderr and "another --out_dir" in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert (out / "log.jsonl").read_bytes() == log_before
+        assert checkpoints(out) == ["ckpt_0000003.pt", "ckpt_0000006.pt", "ckpt_0000009.pt"]
+
+
+def test_val_bits_per_byte_equals_an_independent_computation(shards, tmp_path):
+    import train_gpt2 as tg
+    out = tmp_path / "bpb"
+    run("train_gpt2.py", *TINY, "--data_dir", shards, "--out_dir", out, "--max_steps", 4, "--eval_every", 4,
+        check=True)
+    logged = [r for r in read_log(out) if "val_bpb" in r][-1]
+    checkpoint = torch.load(out / "ckpt_0000004.pt", weights_only=True)
+    model = tg.GPT(tg.GPTConfig(**checkpoint["config"]))
+    model.load_state_dict(checkpoint["model"])
+    # the eval's tokens: the first 512 + 1 of the val shard, in rows of the 32-token sequences
+    val_file = sorted(glob.glob(os.path.join(shards, "*val*")))[0]
+    tokens = torch.from_numpy(np.array(tg.load_shard(val_file)[: 512 + 1], dtype=np.int64))
+    targets = tokens[1:]
+    with torch.no_grad():
+        logits, _ = model(tokens[:-1].view(16, 32))
+    nats = F.cross_entropy(logits.view(-1, logits.size(-1)), targets, reduction="none")
+    # GPT-2's byte-level BPE: a token's bytes are its piece of the text; <|endoftext|> is no text
+    enc = tg.get_tokenizer()
+    text = targets != tg.EOT_TOKEN
+    num_bytes = sum(len(enc.decode_bytes([t])) for t in targets[text].tolist())
+    bpb = nats[text].sum().item() / (math.log(2) * num_bytes)
+    assert abs(logged["val_bpb"] - bpb) < 1e-5 * bpb, (logged["val_bpb"], bpb)
+    assert abs(logged["val_loss"] - nats.mean().item()) < 1e-5
+    # the summary keeps the best of the run's evals
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["best_val_bpb"] == min(r["val_bpb"] for r in read_log(out) if "val_bpb" in r)
+    assert summary["tokens"] == 4 * 256 and summary["train_seconds"] > 0 and summary["flops"] > 0
+
+
+def test_interval_means_equal_the_means_of_the_steps_on_one_and_two_processes(shards, tmp_path):
+    flags = [*TINY, "--data_dir", shards, "--max_steps", 7, "--eval_every", 100, "--save_every", 100]
+    run("train_gpt2.py", *flags, "--out_dir", tmp_path / "every", check=True)
+    each = {r["step"]: r for r in read_log(tmp_path / "every") if "loss" in r}
+    third = run("train_gpt2.py", *flags, "--out_dir", tmp_path / "third", "--log_every", 3, check=True)
+    assert "step     3/7 | loss" in third.stdout and " | eta " in third.stdout
+    torchrun("train_gpt2.py", *flags, "--out_dir", tmp_path / "ddp", "--log_every", 3)
+    for name, tolerance in (("third", 1e-6), ("ddp", 1e-4)):
+        records = [r for r in read_log(tmp_path / name) if "loss" in r]
+        assert [r["step"] for r in records] == [0, 3, 6]
+        for record, steps in zip(records, ([0], [1, 2, 3], [4, 5, 6])):
+            for key in ("loss", "grad_norm"):
+                mean = sum(each[s][key] for s in steps) / len(steps)
+                assert abs(record[key] - mean) < tolerance * abs(mean), (name, key, record, mean)
+            assert abs(record["last_loss"] - each[steps[-1]]["loss"]) < tolerance * each[steps[-1]]["loss"]
+            assert record["tokens"] == each[steps[-1]]["tokens"] == (steps[-1] + 1) * 256
+
+
+def test_flags_and_environment_are_logged_and_no_secret_is(shards, tmp_path):
+    out = tmp_path / "secret"
+    secrets = {"WANDB_API_KEY": "sekrit-wandb-1", "HF_TOKEN": "sekrit-hf-2", "NCCL_SECRET": "sekrit-3"}
+    proc = run("train_gpt2.py", *TINY, "--data_dir", shards, "--out_dir", out, "--max_steps", 2,
+               "--eval_every", 2, "--wandb_project", "p", env={**secrets, "NCCL_DEBUG": "WARN"}, check=True)
+    first = read_log(out)[0]
+    assert first["flags"]["max_steps"] == 2 and first["environment"]["torch"] == torch.__version__
+    assert first["environment"]["variables"]["NCCL_DEBUG"] == "WARN"
+    assert all("time" in r for r in read_log(out))
+    for where in (proc.stdout, proc.stderr, (out / "log.jsonl").read_text(), (out / "summary.json").read_text(),
+                  *(open(f, errors="replace").read() for f in glob.glob(f"{out}/wandb/**/*.json*", recursive=True))):
+        assert "sekrit" not in where
+
+
+def test_ctrl_c_after_stdout_is_gone_still_saves(shards, tmp_path):
+    """`python train_gpt2.py ... 2>&1 | tee log`, then Ctrl-C: the shell's SIGINT ends tee too."""
+    out = tmp_path / "tee"
+    cmd = [sys.executable, os.path.join(REPO, "train_gpt2.py"), *map(str, TINY), "--data_dir", shards,
+           "--out_dir", str(out), "--max_steps", 100000, "--eval_every", 100000, "--save_every", 100000]
+    proc = subprocess.Popen(list(map(str, cmd)), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for line in proc.stdout:  # tee reads until the run is training
+        if line.startswith(b"step     2/"):
+            break
+    proc.stdout.close()  # tee ends
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 0
+    saved = checkpoints(out)
+    assert len(saved) == 1 and saved[0] != "ckpt_0000000.pt", saved
+    assert any("loss" in r for r in read_log(out))
+
+
+def test_ctrl_c_before_the_loop_is_one_line(shards, tmp_path):
+    out = tmp_path / "early"
+    cmd = [sys.executable, os.path.join(REPO, "train_gpt2.py"), *map(str, TINY), "--data_dir", shards,
+           "--out_dir", str(out), "--max_steps", "100000"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    while not (out / ".lock").exists():  # the flags are read: the set-up has begun
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "Traceback" not in stderr, stderr
+    assert "stopped by signal" in stdout
+
+
+def test_an_out_dir_named_like_a_pattern_keeps_and_continues(shards, tmp_path):
+    out = tmp_path / "sweep[lr=1e-3]?"
+    command = [*TINY, "--data_dir", shards, "--out_dir", out, "--save_every", 1, "--keep_checkpoints", 2]
+    run("train_gpt2.py", *command, "--max_steps", 4, check=True)
+    assert checkpoints(out) == ["ckpt_0000003.pt", "ckpt_0000004.pt"]
+    proc = run("train_gpt2.py", *command, "--max_steps", 5, "--resume", check=True)
+    assert "at step 4" in proc.stdout and checkpoints(out) == ["ckpt_0000004.pt", "ckpt_0000005.pt"]
+
+
+def test_a_folder_of_the_other_script_or_its_own_start_is_refused(base_ckpt, tmp_path):
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"What is {i} + {i}?"},
+                                                     {"role": "assistant", "content": f"It is {2 * i}."}]}) + "\n"
+                            for i in range(40)))
+    mid = tmp_path / "mid"
+    mid_flags = ["--data", f"chat:{chat}", "--device", "cpu", "--dtype", "float32", "--compile", "off",
+                 "--micro_batch_size", 4, "--num_samples", 0, "--val_fraction", 0.1]
+    run("mid_train.py", "--init_ckpt", base_ckpt, "--out_dir", mid, *mid_flags, "--max_steps", 2, check=True)
+    base_files = sorted(os.listdir(base_ckpt))
+    for script, flags in (("mid_train.py", ["--init_ckpt", base_ckpt, "--out_dir", base_ckpt, *mid_flags]),
+                          ("mid_train.py", ["--init_ckpt", mid, "--out_dir", mid, *mid_flags]),
+                          ("train_gpt2.py", [*TINY, "--data_dir", base_ckpt, "--out_dir", mid])):
+        proc = run(script, *flags)
+        assert proc.returncode == 2 and "another --out_dir" in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert sorted(os.listdir(base_ckpt)) == base_files and checkpoints(mid) == ["ckpt_0000002.pt"]
+    # continued with half the micro-batch (the out-of-memory line's advice): the tokens per step stay
+    proc = run("mid_train.py", "--init_ckpt", base_ckpt, "--out_dir", mid, *mid_flags, "--micro_batch_size", 2,
+               "--max_steps", 3, check=True)
+    tokens = [r["tokens"] for r in read_log(mid) if "loss" in r]
+    assert tokens[1] - tokens[0] == tokens[2] - tokens[1] == 4 * 64, tokens
+
+
+def test_a_dry_run_writes_nothing_and_flags_that_do_nothing_are_said(shards, tmp_path):
+    out = tmp_path / "dry"
+    proc = run("train_gpt2.py", *TINY, "--data_dir", shards, "--out_dir", out, "--max_steps", 2, "--eval_every", 2,
+               "--dry_run", "--muon_lr", 0.1, "--hellaswag_every", 5, check=True)
+    assert not out.exists() and "summary: best_val_loss" in proc.stdout
+    assert "--muon_lr does nothing without --optimizer muon" in proc.stdout
+    assert "--hellaswag_every does nothing without --hellaswag_file" in proc.stdout
+    # evals and checkpoints off
+    off = tmp_path / "off"
+    run("train_gpt2.py", *TINY, "--data_dir", shards, "--out_dir", off, "--max_steps", 2, "--eval_every", 0,
+        "--save_every", 0, check=True)
+    assert not checkpoints(off) and not any("val_loss" in r for r in read_log(off))
+    assert json.loads((off / "summary.json").read_text())["best_val_loss"] is None
+
+
+def test_a_run_goes_on_in_float16_from_a_float32_checkpoint(shards, tmp_path):
+    """Moving a run to a GPU without bf16 (a V100, a T4): float16's grad scaler has no state to restore."""
+    out = tmp_path / "fp16"
+    command = [*TINY, "--data_dir", shards, "--out_dir", out, "--eval_every", 2]
+    run("train_gpt2.py", *command, "--max_steps", 2, check=True)
+    proc = run("train_gpt2.py", *command, "--max_steps", 4, "--dtype", "float16", check=True)
+    assert "at step 2" in proc.stdout and checkpoints(out)[-1] == "ckpt_0000004.pt"
