@@ -316,9 +316,33 @@ def load_shard(path):
 def find_shards(data_dir, split):
     """The split's shards in name order: [PREFIX_]train[_N].bin, or val, or .npy (llm.c's and build-nanogpt's
     names). The split is the word right before the index, never "train" anywhere in the name
-    (pretrain_val_000000.bin is val): a val shard must never train."""
+    (pretrain_val_000000.bin is val): a val shard must never train. In a folder of prepare_fineweb.py (it has
+    a manifest.json), only the shards that its finished run lists."""
     shard = re.compile(rf"(^|_){split}(_\d+)?\.(bin|npy)$")
-    return sorted(f for f in glob.glob(os.path.join(data_dir, "*")) if shard.search(os.path.basename(f)))
+    names = sorted(os.listdir(data_dir)) if os.path.isdir(data_dir) else []
+    manifest_path = os.path.join(data_dir, "manifest.json")
+    if not os.path.exists(manifest_path):  # shards made by other tools: as they are
+        return [os.path.join(data_dir, name) for name in names if shard.search(name)]
+    # A prepare still writing, or stopped, has not made the whole set: training on its shards so far would
+    # read another stream than the finished folder, which a resume then refuses.
+    try:
+        manifest = json.load(open(manifest_path))
+        listed = [s["file"] for s in manifest["shards"] if manifest["complete"] is True]
+    except (ValueError, KeyError, TypeError):
+        listed = []
+    if not listed:
+        die(f"--data_dir {data_dir} is not finished: its manifest.json does not list a complete set of "
+            f"shards; run the prepare_fineweb.py command that made it again to finish it, then train")
+    missing = [name for name in listed if name not in names]
+    if missing:
+        die(f"--data_dir {data_dir} lacks {missing[0]}, which its manifest.json lists; put it back, or make "
+            f"the folder anew with prepare_fineweb.py")
+    # a shard that the finished prepare did not list is another run's, or copied in by hand: not trusted
+    stray = [name for name in names if shard.search(name) and name not in listed]
+    if stray:
+        print0(f"--data_dir {data_dir}: not using {len(stray)} {split} shard(s) that its manifest.json does "
+               f"not list ({', '.join(stray[:3])}): prepare_fineweb.py did not write them")
+    return [os.path.join(data_dir, name) for name in listed if shard.search(name)]
 
 
 # What a checkpoint's data position depends on: a run that reads the shards otherwise cannot go on from it.
@@ -910,8 +934,9 @@ def prepare_out_dir(path):
     except OSError as e:  # ENOLCK & co: some network file systems
         print(f"--out_dir {path}: this file system cannot lock files ({e.strerror}); a second run into it "
               f"is not refused", file=sys.stderr)
-    # Only now, with the lock held, can no live run be saving here: the .tmp files are a killed save's.
-    stale = sorted(glob.glob(os.path.join(path, "*.tmp")))
+    # Only now, with the lock held, can no live run be saving here: the .tmp files are a killed save's. A
+    # *.tmp folder is not a save's (export_hf.py's, which it clears itself) and is left alone.
+    stale = sorted(f for f in glob.glob(os.path.join(path, "*.tmp")) if os.path.isfile(f))
     for f in stale:
         os.remove(f)
     if stale:
@@ -1448,6 +1473,15 @@ def ranged(kind, low, high=float("inf"), low_open=False, high_open=False):
 
 
 positive_int, nonneg_int = ranged(int, 1), ranged(int, 0)
+
+
+def refuse_ignored(p, args, modes):
+    """A flag given (a value other than its default) in a mode that does nothing with it is one error line,
+    not silently dropped. modes maps the words naming a mode to (whether it is on, the flags it ignores)."""
+    for mode, (on, ignored) in modes.items():
+        given = [name for name in ignored if on and getattr(args, name) != p.get_default(name)]
+        if given:
+            die(f"--{given[0]} does nothing with {mode}; drop it")
 # ---- end shared: flags ----
 positive_float, nonneg_float = ranged(float, 0, low_open=True), ranged(float, 0)
 fraction = ranged(float, 0, 1)  # a share or a ratio, 0 to 1
