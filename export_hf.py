@@ -13,6 +13,7 @@ finishes.
 """
 
 import argparse
+import fcntl
 import glob
 import importlib.util
 import json
@@ -46,6 +47,8 @@ def die(message):
 # ---- end shared: die ----
 
 
+# the files of a chat model's tokenizer that a base model's does not have (transformers 5; 4)
+CHAT_FILES = ("chat_template.jinja", "added_tokens.json")
 CHAT_TEMPLATE = ("{{ '<|bos|>' }}{% for m in messages %}"
                  "{{ '<|' + m['role'] + '_start|>' + m['content'] + '<|' + m['role'] + '_end|>' }}{% endfor %}"
                  "{% if add_generation_prompt %}{{ '<|assistant_start|>' }}{% endif %}")  # as render_for_reply
@@ -137,13 +140,23 @@ def main(argv=None):
             f"them only): transformers' GPT2LMHeadModel cannot hold it")
     hf_model.load_state_dict(ours, strict=False)  # strict=False: the causal-mask buffers are not ours
 
-    # written into a temp folder, checked, then renamed, so that out_dir is never a half-written export
+    # Written into a temp folder, checked, then renamed, so that out_dir is never a half-written export. The
+    # temp folder is locked while this export writes it: a second export into the same --out_dir at once is
+    # refused, rather than writing over the first one's files (each then claims the mix). The lock is the
+    # kernel's and goes with the process; what a killed export left there is cleared.
     tmp_dir = args.out_dir.rstrip("/") + ".tmp"
-    if os.path.exists(tmp_dir) and not os.path.exists(os.path.join(tmp_dir, "config.json")):
-        die(f"{tmp_dir} is in the way and is not a half-written export; move it, or give another --out_dir")
-    shutil.rmtree(tmp_dir, ignore_errors=True)  # a half-written export of an earlier, killed run
     try:
-        os.makedirs(tmp_dir)
+        os.makedirs(tmp_dir, exist_ok=True)
+        fcntl.flock(os.open(tmp_dir, os.O_RDONLY), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        leftovers = os.listdir(tmp_dir)
+        if leftovers and "config.json" not in leftovers:
+            die(f"{tmp_dir} is in the way and is not a half-written export; move it, or give another "
+                f"--out_dir")
+        for name in leftovers:
+            os.remove(os.path.join(tmp_dir, name))
+    except BlockingIOError:
+        die(f"another export into {args.out_dir} is running (it writes {tmp_dir}); wait for it to end, or "
+            f"give another --out_dir")
     except OSError as e:
         die(f"--out_dir {args.out_dir} cannot be created or written ({e.strerror}); give another folder")
     try:
@@ -170,8 +183,10 @@ def main(argv=None):
     diff = (logits[:, :, :enc.n_vocab] - their_logits).abs().max().item()  # over the tokenizer's vocab
     if diff > 1e-4:
         die(f"the exported model's logits differ from ours by {diff:.2e}; {tmp_dir} is left for a look")
-    if os.path.exists(args.out_dir):  # an earlier export: replaced, but only if it holds nothing else
-        extra = sorted(set(os.listdir(args.out_dir)) - set(os.listdir(tmp_dir)))
+    # An earlier export is replaced whole, a chat model's by a base model's too, but only if it holds nothing
+    # else.
+    if os.path.exists(args.out_dir):
+        extra = sorted(set(os.listdir(args.out_dir)) - set(os.listdir(tmp_dir)) - set(CHAT_FILES))
         if extra:
             shutil.rmtree(tmp_dir)
             die(f"{args.out_dir} holds files an export does not write ({', '.join(extra[:3])}); move them, or give "

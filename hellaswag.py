@@ -73,7 +73,11 @@ def get_args(argv=None):
     p.add_argument("--cast_weights", action="store_true",
                    help="cast the weights themselves to --dtype (faster; LayerNorm and the residual stream lose "
                         "precision too, which moves some predictions: see bench/RESULTS.md)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    refuse_ignored(p, args, {
+        "--data_file (nothing is downloaded)": (args.data_file is not None, ["split", "cache_dir"]),
+        "--dtype float32 (the weights are float32 already)": (args.dtype == "float32", ["cast_weights"])})
+    return args
 
 
 # -----------------------------------------------------------------------------
@@ -253,6 +257,15 @@ def ranged(kind, low, high=float("inf"), low_open=False, high_open=False):
 
 
 positive_int, nonneg_int = ranged(int, 1), ranged(int, 0)
+
+
+def refuse_ignored(p, args, modes):
+    """A flag given (a value other than its default) in a mode that does nothing with it is one error line,
+    not silently dropped. modes maps the words naming a mode to (whether it is on, the flags it ignores)."""
+    for mode, (on, ignored) in modes.items():
+        given = [name for name in ignored if on and getattr(args, name) != p.get_default(name)]
+        if given:
+            die(f"--{given[0]} does nothing with {mode}; drop it")
 # ---- end shared: flags ----
 
 

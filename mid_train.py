@@ -193,10 +193,8 @@ def get_args(argv=None):
                           and not checkpoint_files(args.init_ckpt))
     if args.demo and not args.resume_checkpoint and demo_start_missing:
         die(f"--demo starts from {args.init_ckpt}, which holds no checkpoint: run python train_gpt2.py --demo first")
-    muon = ("--optimizer muon", args.optimizer == "muon")
-    samples = ("--num_samples above 0", args.num_samples > 0)
-    say_unused_flags(p, args, {"muon_lr": muon, "muon_momentum": muon, "muon_momentum_warmup": muon,
-                               "muon_weight_decay": muon, "sample_len": samples, "prompt": samples})
+    refuse_ignored(p, args, {"--optimizer adamw": (args.optimizer == "adamw", MUON_FLAGS),
+                             "--num_samples 0": (args.num_samples == 0, ["sample_len", "prompt"])})
     return args
 
 
@@ -931,14 +929,6 @@ def autocast_context(device_type, dtype):
 
 
 # ---- shared: setup ----
-def say_unused_flags(parser, args, needs):
-    """A flag given that does nothing in the mode chosen is said in a line, not ignored silently. needs:
-    {flag: (what it needs, whether this run has it)}. A flag counts as given when it is not its default."""
-    for flag, (what, present) in needs.items():
-        if not present and getattr(args, flag) != parser.get_default(flag):
-            print0(f"--{flag} does nothing without {what}: it is ignored")
-
-
 def micro_batch_advice(B, T, total_batch_size):
     """The out-of-memory line's advice in the trainers: the micro-batch that failed, and what to lower."""
     return (f"the micro-batch is --micro_batch_size {B} x --seq_len {T}; lower --micro_batch_size (gradient "
@@ -997,6 +987,9 @@ def parameter_mib(model):
 
 
 # ---- shared: optim ----
+MUON_FLAGS = ["muon_lr", "muon_momentum", "muon_momentum_warmup", "muon_weight_decay"]  # nothing with AdamW
+
+
 def make_optimizers(model, args, device_type):
     """AdamW (0.9, 0.95) with weight decay on the 2-D weights only; with --optimizer muon, Muon takes the
     weights of the layers the model marks with MUON_PARTS (the blocks' linear layers), and AdamW keeps the
@@ -1135,8 +1128,9 @@ def prepare_out_dir(path):
     except OSError as e:  # ENOLCK & co: some network file systems
         print(f"--out_dir {path}: this file system cannot lock files ({e.strerror}); a second run into it "
               f"is not refused", file=sys.stderr)
-    # Only now, with the lock held, can no live run be saving here: the .tmp files are a killed save's.
-    stale = sorted(glob.glob(os.path.join(glob.escape(path), "*.tmp")))
+    # Only now, with the lock held, can no live run be saving here: the .tmp files are a killed save's. A
+    # *.tmp folder is not a save's (export_hf.py's, which it clears itself) and is left alone.
+    stale = sorted(f for f in glob.glob(os.path.join(glob.escape(path), "*.tmp")) if os.path.isfile(f))
     for f in stale:
         os.remove(f)
     if stale:
@@ -1699,6 +1693,15 @@ def ranged(kind, low, high=float("inf"), low_open=False, high_open=False):
 
 
 positive_int, nonneg_int = ranged(int, 1), ranged(int, 0)
+
+
+def refuse_ignored(p, args, modes):
+    """A flag given (a value other than its default) in a mode that does nothing with it is one error line,
+    not silently dropped. modes maps the words naming a mode to (whether it is on, the flags it ignores)."""
+    for mode, (on, ignored) in modes.items():
+        given = [name for name in ignored if on and getattr(args, name) != p.get_default(name)]
+        if given:
+            die(f"--{given[0]} does nothing with {mode}; drop it")
 # ---- end shared: flags ----
 positive_float, nonneg_float = ranged(float, 0, low_open=True), ranged(float, 0)
 fraction = ranged(float, 0, 1)  # a share or a ratio, 0 to 1

@@ -7,7 +7,8 @@ Offline demo:                   python prepare_fineweb.py --demo   (the English 
                                 questions about its functions in data/demo/chat.jsonl, for mid_train.py --demo)
 
 Shards are written to a temp file and renamed, with progress in manifest.json, so an interrupted run picks up
-where it stopped when run again with the same flags.
+where it stopped when run again with the same flags and unchanged input files. train_gpt2.py reads a folder
+only once its manifest.json says it is complete, and only the shards listed there.
 """
 
 import argparse
@@ -233,31 +234,43 @@ def main(argv=None):
     args = get_args(argv)
     prepare_out_dir(args.out_dir)
     if args.demo:
-        source = f"python stdlib docstrings and pydoc topics ({sysconfig.get_paths()['stdlib']})"
+        # another Python has other docstrings
+        source = (f"python {sys.version.split()[0]} stdlib docstrings and pydoc topics "
+                  f"({sysconfig.get_paths()['stdlib']})")
         documents, names = stdlib_texts()
         write_file(os.path.join(args.out_dir, "chat.jsonl"), lambda f: f.write(demo_chat(names).encode()),
                    RESUME_FIX)
         print(f"demo: questions about {len(names):,} documented names in chat.jsonl, one name in 10 held out")
     else:
-        source = f"local files: {' '.join(args.input)}" if args.files else f"hub: {args.dataset} {args.config}"
+        source = "local files" if args.files else f"hub: {args.dataset} {args.config}"
         documents = documents_of(args)
 
-    # ---- pick up where an earlier run with the same flags stopped: its manifest.json lists the shards it
-    # wrote (each
-    
-    # renamed whole into place before it is listed), and the token stream goes on after the last of them; a
-    # damaged manifest.json counts as no progress
+    # ---- pick up where an earlier run of the same recipe stopped: its manifest.json lists the shards it
+    # wrote (each renamed whole into place before it is listed), and the token stream goes on after the last
+    # of them. The recipe is everything that shapes the shards, each input file with its size and time: a
+    # file added, removed or changed since then would mix shards of two streams, so it is refused. A damaged
+    # manifest.json counts as no progress.
+    inputs = args.files or (glob.glob(f"{args.dataset}/**", recursive=True) if os.path.isdir(args.dataset)
+                            else [])
+    recipe = dict(source=source, text_field=args.text_field, shard_size=args.shard_size,
+                  tokenizer="tiktoken gpt2",
+                  files=[[os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns]
+                         for f in sorted(inputs) if os.path.isfile(f)])
     manifest_path = os.path.join(args.out_dir, "manifest.json")
-    shards, complete = [], False
+    previous, shards, complete = {}, [], False
     if os.path.exists(manifest_path):
         try:
             previous = json.load(open(manifest_path))
-            if (previous["source"], previous["shard_size"]) != (source, args.shard_size):
-                die(f"{args.out_dir} holds shards of another source or shard size; use another --out_dir or empty it")
-            shards, complete = previous["shards"], previous["complete"]
         except ValueError:
             print(f"{manifest_path} is unreadable; its progress is lost, so the shards are made again from the first "
                   f"one", file=sys.stderr)
+    if previous:
+        changed = [key for key in recipe if previous.get(key) != recipe[key]]
+        if changed:
+            die(f"{args.out_dir} holds shards made otherwise: its manifest.json differs from this run in "
+                f"{', '.join(changed)} (an input file added, removed or changed counts); run it as it was "
+                f"made, or give another --out_dir (or empty this one)")
+        shards, complete = previous["shards"], previous["complete"]
     start_doc, start_offset = (shards[-1]["end_doc"], shards[-1]["end_offset"]) if shards else (0, 0)
     if shards:
         print(f"skipping {len(shards)} finished shard(s) in {args.out_dir}")
@@ -265,7 +278,7 @@ def main(argv=None):
         return
 
     def save_manifest(complete=False):
-        manifest = dict(source=source, shard_size=args.shard_size, shards=shards, complete=complete)
+        manifest = dict(**recipe, shards=shards, complete=complete)
         write_file(manifest_path, lambda f: f.write(json.dumps(manifest, indent=1).encode()), RESUME_FIX)
 
     def finish_shard(end_doc, end_offset):
@@ -336,6 +349,15 @@ def ranged(kind, low, high=float("inf"), low_open=False, high_open=False):
 
 
 positive_int, nonneg_int = ranged(int, 1), ranged(int, 0)
+
+
+def refuse_ignored(p, args, modes):
+    """A flag given (a value other than its default) in a mode that does nothing with it is one error line,
+    not silently dropped. modes maps the words naming a mode to (whether it is on, the flags it ignores)."""
+    for mode, (on, ignored) in modes.items():
+        given = [name for name in ignored if on and getattr(args, name) != p.get_default(name)]
+        if given:
+            die(f"--{given[0]} does nothing with {mode}; drop it")
 # ---- end shared: flags ----
 
 
@@ -363,8 +385,9 @@ def prepare_out_dir(path):
     except OSError as e:  # ENOLCK & co: some network file systems
         print(f"--out_dir {path}: this file system cannot lock files ({e.strerror}); a second run into it "
               f"is not refused", file=sys.stderr)
-    # Only now, with the lock held, can no live run be saving here: the .tmp files are a killed save's.
-    stale = sorted(glob.glob(os.path.join(glob.escape(path), "*.tmp")))
+    # Only now, with the lock held, can no live run be saving here: the .tmp files are a killed save's. A
+    # *.tmp folder is not a save's (export_hf.py's, which it clears itself) and is left alone.
+    stale = sorted(f for f in glob.glob(os.path.join(glob.escape(path), "*.tmp")) if os.path.isfile(f))
     for f in stale:
         os.remove(f)
     if stale:

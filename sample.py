@@ -69,7 +69,13 @@ def get_args(argv=None):
     p.add_argument("--device", default="auto", help="auto, cuda, mps or cpu")
     p.add_argument("--dtype", default="float32", choices=["auto", "bfloat16", "float16", "float32"],
                    help="dtype of the matmuls, under autocast with float32 weights; auto: as in train_gpt2.py")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    refuse_ignored(p, args, {
+        "--chat (one conversation, its turns read from the terminal or stdin)": (args.chat,
+                                                                                ["prompt", "num_samples"]),
+        "--temperature 0 (greedy: the likeliest token every time)": (args.temperature == 0,
+                                                                     ["top_k", "top_p", "seed"])})
+    return args
 
 
 # -----------------------------------------------------------------------------
@@ -237,6 +243,15 @@ def ranged(kind, low, high=float("inf"), low_open=False, high_open=False):
 
 
 positive_int, nonneg_int = ranged(int, 1), ranged(int, 0)
+
+
+def refuse_ignored(p, args, modes):
+    """A flag given (a value other than its default) in a mode that does nothing with it is one error line,
+    not silently dropped. modes maps the words naming a mode to (whether it is on, the flags it ignores)."""
+    for mode, (on, ignored) in modes.items():
+        given = [name for name in ignored if on and getattr(args, name) != p.get_default(name)]
+        if given:
+            die(f"--{given[0]} does nothing with {mode}; drop it")
 # ---- end shared: flags ----
 nonneg_float = ranged(float, 0)
 unit_interval = ranged(float, 0, 1, low_open=True)  # a probability mass such as top_p: (0, 1]

@@ -168,12 +168,10 @@ def get_args(argv=None):
     args = resume_args(p, argv, fixed=("model", *model_flags, "init_from", "optimizer", "data_dir"), kind="base")
     if not args.prompt and args.num_samples:
         print0("--prompt is empty: the in-loop samples start from <|endoftext|>")
-    muon = ("--optimizer muon", args.optimizer == "muon")
-    hellaswag = ("--hellaswag_file", args.hellaswag_file is not None)
-    samples = ("--num_samples above 0", args.num_samples > 0)
-    say_unused_flags(p, args, {"muon_lr": muon, "muon_momentum": muon, "muon_momentum_warmup": muon,
-                               "muon_weight_decay": muon, "hellaswag_every": hellaswag,
-                               "hellaswag_limit": hellaswag, "sample_len": samples, "prompt": samples})
+    refuse_ignored(p, args, {
+        "--optimizer adamw": (args.optimizer == "adamw", MUON_FLAGS),
+        "no --hellaswag_file": (args.hellaswag_file is None, ["hellaswag_every", "hellaswag_limit"]),
+        "--num_samples 0": (args.num_samples == 0, ["sample_len", "prompt"])})
     return args
 
 
@@ -333,9 +331,34 @@ def load_shard(path):
 def find_shards(data_dir, split):
     """The split's shards in name order: [PREFIX_]train[_N].bin, or val, or .npy (llm.c's and build-nanogpt's
     names). The split is the word right before the index, never "train" anywhere in the name
-    (pretrain_val_000000.bin is val): a val shard must never train."""
+    (pretrain_val_000000.bin is val): a val shard must never train. In a folder of prepare_fineweb.py (it has
+    a manifest.json), only the shards that its finished run lists."""
     shard = re.compile(rf"(^|_){split}(_\d+)?\.(bin|npy)$")
-    return sorted(f for f in glob.glob(os.path.join(glob.escape(data_dir), "*")) if shard.search(os.path.basename(f)))
+    names = sorted(os.listdir(data_dir)) if os.path.isdir(data_dir) else []
+    manifest_path = os.path.join(data_dir, "manifest.json")
+    if not os.path.exists(manifest_path):  # shards made by other tools: as they are
+        return [os.path.join(data_dir, name) for name in names if shard.search(name)]
+    # A prepare still writing, or stopped, has not made the whole set: training on its shards so far would
+    # read another stream than the finished folder, which a resume then refuses.
+    try:
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+        listed = [s["file"] for s in manifest["shards"] if manifest["complete"] is True]
+    except (ValueError, KeyError, TypeError):
+        listed = []
+    if not listed:
+        die(f"--data_dir {data_dir} is not finished: its manifest.json does not list a complete set of "
+            f"shards; run the prepare_fineweb.py command that made it again to finish it, then train")
+    missing = [name for name in listed if name not in names]
+    if missing:
+        die(f"--data_dir {data_dir} lacks {missing[0]}, which its manifest.json lists; put it back, or make "
+            f"the folder anew with prepare_fineweb.py")
+    # a shard that the finished prepare did not list is another run's, or copied in by hand: not trusted
+    stray = [name for name in names if shard.search(name) and name not in listed]
+    if stray:
+        print0(f"--data_dir {data_dir}: not using {len(stray)} {split} shard(s) that its manifest.json does "
+               f"not list ({', '.join(stray[:3])}): prepare_fineweb.py did not write them")
+    return [os.path.join(data_dir, name) for name in listed if shard.search(name)]
 
 
 # What a checkpoint's data position depends on: a run that reads the shards otherwise cannot go on from it.
@@ -768,14 +791,6 @@ def autocast_context(device_type, dtype):
 
 
 # ---- shared: setup ----
-def say_unused_flags(parser, args, needs):
-    """A flag given that does nothing in the mode chosen is said in a line, not ignored silently. needs:
-    {flag: (what it needs, whether this run has it)}. A flag counts as given when it is not its default."""
-    for flag, (what, present) in needs.items():
-        if not present and getattr(args, flag) != parser.get_default(flag):
-            print0(f"--{flag} does nothing without {what}: it is ignored")
-
-
 def micro_batch_advice(B, T, total_batch_size):
     """The out-of-memory line's advice in the trainers: the micro-batch that failed, and what to lower."""
     return (f"the micro-batch is --micro_batch_size {B} x --seq_len {T}; lower --micro_batch_size (gradient "
@@ -834,6 +849,9 @@ def parameter_mib(model):
 
 
 # ---- shared: optim ----
+MUON_FLAGS = ["muon_lr", "muon_momentum", "muon_momentum_warmup", "muon_weight_decay"]  # nothing with AdamW
+
+
 def make_optimizers(model, args, device_type):
     """AdamW (0.9, 0.95) with weight decay on the 2-D weights only; with --optimizer muon, Muon takes the
     weights of the layers the model marks with MUON_PARTS (the blocks' linear layers), and AdamW keeps the
@@ -972,8 +990,9 @@ def prepare_out_dir(path):
     except OSError as e:  # ENOLCK & co: some network file systems
         print(f"--out_dir {path}: this file system cannot lock files ({e.strerror}); a second run into it "
               f"is not refused", file=sys.stderr)
-    # Only now, with the lock held, can no live run be saving here: the .tmp files are a killed save's.
-    stale = sorted(glob.glob(os.path.join(glob.escape(path), "*.tmp")))
+    # Only now, with the lock held, can no live run be saving here: the .tmp files are a killed save's. A
+    # *.tmp folder is not a save's (export_hf.py's, which it clears itself) and is left alone.
+    stale = sorted(f for f in glob.glob(os.path.join(glob.escape(path), "*.tmp")) if os.path.isfile(f))
     for f in stale:
         os.remove(f)
     if stale:
@@ -1627,6 +1646,15 @@ def ranged(kind, low, high=float("inf"), low_open=False, high_open=False):
 
 
 positive_int, nonneg_int = ranged(int, 1), ranged(int, 0)
+
+
+def refuse_ignored(p, args, modes):
+    """A flag given (a value other than its default) in a mode that does nothing with it is one error line,
+    not silently dropped. modes maps the words naming a mode to (whether it is on, the flags it ignores)."""
+    for mode, (on, ignored) in modes.items():
+        given = [name for name in ignored if on and getattr(args, name) != p.get_default(name)]
+        if given:
+            die(f"--{given[0]} does nothing with {mode}; drop it")
 # ---- end shared: flags ----
 positive_float, nonneg_float = ranged(float, 0, low_open=True), ranged(float, 0)
 fraction = ranged(float, 0, 1)  # a share or a ratio, 0 to 1

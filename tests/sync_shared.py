@@ -84,7 +84,8 @@ def sync():
         # that all hold the same body are one edit, made in one copy or in several.
         edited = {script: body for script, body in bodies.items() if digest(body) != synced_hash(record, name)}
         earlier = [script for script, body in edited.items() if digest(body) in record.get(name, [])[1:]]
-        if earlier:
+        # every copy put back to the same earlier version is a wanted return to it, made by hand in each
+        if earlier and len(set(bodies.values())) > 1:
             conflicts.append(f"error: shared block '{name}' in {' and '.join(earlier)} is a version synced before "
                              f"(a script put back from git or upstream?), not a new edit; to go back to it, make "
                              f"every copy the same by hand, else copy the newer block into it, then run python "

@@ -144,6 +144,20 @@ CASES = [
          expect="--val_fraction 0.9 held out"),
     case("export-out_dir-file", "export_hf.py", "--ckpt", "{tmp}/ckpt.pt", "--out_dir", "{tmp}/a_file",
          expect="is a file"),
+    # ---- a data folder that prepare_fineweb.py has not finished, or that lacks a shard it listed
+    case("train-data_dir-prepare-unfinished", "train_gpt2.py", *DATA, "--data_dir", "{tmp}/data_unfinished",
+         expect="is not finished: its manifest.json does not list a complete set of shards; run the"),
+    case("train-data_dir-listed-shard-missing", "train_gpt2.py", *DATA, "--data_dir", "{tmp}/data_missing",
+         expect="lacks t_train_000002.bin, which its manifest.json lists"),
+    # ---- flags that do nothing in the mode given
+    case("sample-chat-num_samples", "sample.py", "--ckpt", "x", "--chat", "--num_samples", 3,
+         expect="--num_samples does nothing with --chat"),
+    case("sample-greedy-top_p", "sample.py", "--ckpt", "x", "--temperature", 0, "--top_p", 0.9,
+         expect="--top_p does nothing with --temperature 0"),
+    case("hellaswag-data_file-split", "hellaswag.py", "--ckpt", "x", "--data_file", "{tmp}/hs_ok.jsonl",
+         "--split", "train", expect="--split does nothing with --data_file"),
+    case("hellaswag-cast_weights-float32", "hellaswag.py", "--ckpt", "x", "--cast_weights",
+         expect="--cast_weights does nothing with --dtype float32"),
 ]
 
 
@@ -170,10 +184,15 @@ def make_files(tmp):
     from train_gpt2 import GPT, GPTConfig
 
     tokens = np.random.default_rng(0).integers(0, 50257, 20_000)
-    for name, count in (("data", None), ("data_negative", -5)):
+    for name, count in (("data", None), ("data_negative", -5), ("data_unfinished", None),
+                        ("data_missing", None)):
         os.makedirs(f"{tmp}/{name}")
         write_shard(f"{tmp}/{name}/t_val_000000.bin", tokens)
         write_shard(f"{tmp}/{name}/t_train_000001.bin", tokens, count)
+    # the manifest of a prepare_fineweb.py run stopped after two shards; and a finished one's, a shard gone
+    shards = [{"file": f"t_{split}_{i:06d}.bin"} for i, split in enumerate(["val", "train", "train"])]
+    json.dump({"shards": shards[:2], "complete": False}, open(f"{tmp}/data_unfinished/manifest.json", "w"))
+    json.dump({"shards": shards, "complete": True}, open(f"{tmp}/data_missing/manifest.json", "w"))
     config = GPTConfig(block_size=64, n_layer=1, n_head=2, n_embd=32)
     torch.save({"model": GPT(config).state_dict(), "config": asdict(config)}, f"{tmp}/ckpt.pt")
     os.makedirs(f"{tmp}/bad_ckpts/ckpt_0000002.pt")  # a folder named like a checkpoint
@@ -367,14 +386,16 @@ def test_resume_drops_a_half_written_log_line_and_stale_temp_files(run_dir, tmp_
     (out / "ckpt_0000004.pt").unlink()  # killed while saving at step 4: a temp file, and a log line cut short
     (out / "ckpt_0000004.pt.tmp").write_bytes(b"PK\x03\x04 half a checkpoint")
     (out / "log.jsonl.tmp").write_text('{"step": 1}\n')
+    (out / "hf.tmp").mkdir()  # export_hf.py --out_dir run/hf, killed: not a save's; left to export_hf.py
+    (out / "hf.tmp" / "config.json").write_text("{}")
     with open(out / "log.jsonl", "a") as f:
         f.write('{"step": 4, "loss": 5.1, "lr"')
     proc = resume(run_dir, out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "dropping 1 unreadable (half-written) line" in proc.stderr
     assert "removed 2 stale temp file(s)" in proc.stdout and "ckpt_0000004.pt.tmp" in proc.stdout
-    assert sorted(p.name for p in out.iterdir()) == [".lock", "ckpt_0000002.pt", "ckpt_0000004.pt", "log.jsonl",
-                                                     "summary.json"]
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "ckpt_0000002.pt", "ckpt_0000004.pt", "hf.tmp",
+                                                     "log.jsonl", "summary.json"]
     records = read_log(out)  # every line whole again
     assert [r["step"] for r in records if "loss" in r] == [0, 1, 2, 3]
     assert [r["step"] for r in records if "val_loss" in r] == [0, 2, 4]

@@ -119,3 +119,19 @@ def test_chat_on_a_base_checkpoint_is_one_stderr_line(base_ckpt):
     proc = run("sample.py", "--ckpt", base_ckpt, "--chat", "--device", "cpu")
     line = one_error_line(proc)
     assert "--chat needs a checkpoint of mid_train.py" in line
+
+
+def test_a_second_export_into_one_folder_at_once_is_refused(tmp_path):
+    """export_hf.py locks its temp folder while it writes: a second export into the same --out_dir (here the
+    lock held as a live export holds it) is one error line, not a mix of both exports' files."""
+    import fcntl
+    from dataclasses import asdict
+    from train_gpt2 import GPT, GPTConfig
+    config = GPTConfig(block_size=64, n_layer=1, n_head=2, n_embd=32)
+    torch.save({"model": GPT(config).state_dict(), "config": asdict(config)}, tmp_path / "ckpt.pt")
+    (tmp_path / "hf.tmp").mkdir()
+    live = os.open(tmp_path / "hf.tmp", os.O_RDONLY)
+    fcntl.flock(live, fcntl.LOCK_EX)
+    line = one_error_line(run("export_hf.py", "--ckpt", tmp_path / "ckpt.pt", "--out_dir", tmp_path / "hf"))
+    os.close(live)
+    assert f"another export into {tmp_path / 'hf'} is running" in line, line

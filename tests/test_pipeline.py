@@ -104,10 +104,13 @@ torch.save({"ids": ids, "logits": logits, "type": type(model).__name__, "dtype":
     (tmp_path / "keep" / "notes.txt").write_text("mine")
     proc = run("export_hf.py", "--ckpt", base_ckpt, "--out_dir", tmp_path / "keep")
     assert proc.returncode == 2 and proc.stderr.startswith("error:") and (tmp_path / "keep" / "notes.txt").exists()
-    # an earlier export that the user added a file to is not replaced: the file would be lost
+    # an earlier export that the user added a file to is not replaced: the file would be lost; a chat model's
+    # template is an export's file, not the user's
     (out / "README.md").write_text("my notes")
+    (out / "chat_template.jinja").write_text("{{ messages }}")
     proc = run("export_hf.py", "--ckpt", base_ckpt, "--out_dir", out, env={"HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 2 and "README.md" in proc.stderr and (out / "README.md").read_text() == "my notes"
+    assert "chat_template.jinja" not in proc.stderr
     assert not os.path.exists(str(out) + ".tmp")
 
 

@@ -156,3 +156,38 @@ def test_demo_corpus_is_words_not_blanks(tmp_path):
     stream = np.concatenate(shards)
     assert np.array_equal(stream, expected_stream(docs))
     assert blank[stream].mean() <= 0.25, blank[stream].mean()
+
+
+def test_a_rerun_on_other_input_is_refused_and_the_trainer_reads_only_listed_shards(tmp_path, capsys):
+    """Whatever shapes the shards is in manifest.json: on a finished folder and on a stopped one, a rerun
+    with an input file added or changed, or another --shard_size, is one error line and leaves the shards as
+    they are (going on would mix two streams). The trainer then reads the listed shards only."""
+    from train_gpt2 import find_shards
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    for path in stdlib_files(6):
+        (src / os.path.basename(path)).write_bytes(open(path, "rb").read())
+    args = ["--input", str(src / "*.py"), "--out_dir", out, "--shard_size", 8000, "--workers", 1]
+    run("prepare_fineweb.py", *args, check=True)
+    shards = {p.name: p.read_bytes() for p in out.glob("*.bin")}
+    (src / "new.py").write_text("print('a file added after the shards were made')\n")
+    for extra, differs in (([], "differs from this run in files"), (["--shard_size", 9], "in shard_size")):
+        proc = run("prepare_fineweb.py", *args, *extra)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and differs in proc.stderr, proc.stderr
+    (src / "new.py").unlink()
+    # stopped after 2 shards (the manifest as an interrupted run leaves it), then a file already read changes
+    manifest = json.load(open(out / "manifest.json"))
+    stopped = {**manifest, "shards": manifest["shards"][:2], "complete": False}
+    json.dump(stopped, open(out / "manifest.json", "w"))
+    first = sorted(src.iterdir())[0]
+    first.write_text("# a new first paragraph\n" + first.read_text())
+    proc = run("prepare_fineweb.py", *args)
+    assert proc.returncode == 2 and "differs from this run in files" in proc.stderr, proc.stderr
+    assert {p.name: p.read_bytes() for p in out.glob("*.bin")} == shards
+    # a finished folder with a shard it does not list: not read, and said
+    json.dump(manifest, open(out / "manifest.json", "w"))
+    (out / "out_train_000099.bin").write_bytes(shards["out_train_000001.bin"])
+    listed = [s["file"] for s in manifest["shards"][1:]]
+    assert [os.path.basename(f) for f in find_shards(str(out), "train")] == listed
+    note = "not using 1 train shard(s) that its manifest.json does not list (out_train_000099.bin)"
+    assert note in capsys.readouterr().out

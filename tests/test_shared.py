@@ -74,6 +74,14 @@ def test_a_copy_put_back_to_an_earlier_version_does_not_undo_the_edit(tmp_path):
     assert proc.returncode == 1 and "sample.py is a version synced before" in proc.stderr, proc.stderr
     assert {name: (root / name).read_bytes() for name in files} == before
     assert read_blocks(root / "train_gpt2.py")["model"].endswith("# edited in mid_train.py\n")
+    # every copy put back by hand: a wanted return to the earlier version, which syncs
+    unedited_blocks = read_blocks(root / "sample.py")
+    for script in SCRIPTS:
+        text = (root / script).read_text() if (root / script).exists() else ""
+        if "# edited in mid_train.py\n" in text:
+            (root / script).write_text(text.replace("# edited in mid_train.py\n", ""))
+    assert run_sync(root).returncode == 0
+    assert read_blocks(root / "train_gpt2.py")["model"] == unedited_blocks["model"]
 
 
 def test_every_script_is_importable_without_side_effects(tmp_path):
