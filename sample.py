@@ -7,7 +7,8 @@ Generate text from a checkpoint of train_gpt2.py or mid_train.py, or from OpenAI
     python sample.py --ckpt out/mid --chat
 
 Generation uses a KV cache: the prompt is run once, then one token per forward pass. When a sample outgrows the
-model's context, the last half of it is kept and run again, and generation goes on.
+model's context, the last half of it is kept and run again, and generation goes on. In a chat, a call the
+model closes is run by a calculator of arithmetic only, and its result goes back in as the tool's output.
 """
 
 import argparse
