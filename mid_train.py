@@ -3,22 +3,24 @@ Midtrain a base checkpoint on conversations and tasks: the chat format, and some
 midtraining does). The same loop as pretraining, different data.
 
     python mid_train.py --init_ckpt out/demo --data chat:chats.jsonl gsm8k:gsm8k/train.jsonl:2 mmlu:mmlu/dev
-    python mid_train.py --init_from gpt2               # SmolTalk, MMLU auxiliary_train, GSM8K from the hub
+    python mid_train.py --init_from gpt2               # nanochat's mixture from the hub (and two downloads)
     torchrun --standalone --nproc_per_node=8 mid_train.py --init_ckpt out/ckpt_0019073.pt
     python sample.py --ckpt out/mid --chat
     python mid_train.py --demo      # offline: out/demo taught "What does json.dumps do?" (asked re.compile)
 
 What differs from train_gpt2.py, which this file follows block for block:
 - get_args: the start is a base checkpoint of ours (--init_ckpt) or OpenAI's weights (--init_from), and
-  --data names the sources, KIND:PATH[:EPOCHS]; new are --val_fraction, --train_on and --warmdown_frac;
+  --data names the sources, KIND:PATH[:EPOCHS]; new are --val_data, --val_fraction, --train_on and
+  --warmdown_frac;
   --seq_len defaults to the model's context, --total_batch_size to one micro-batch a rank and --max_steps to
   one pass over the data; other defaults are lower (lr 2e-4, no weight decay, Muon at 0.005 with 50 warm-up
   steps). There is no --model, --data_dir, --val_tokens or HellaSwag; --resume also keeps --seed and
   --val_fraction.
-- The chat format (the "chat" block: get_chat_tokenizer, render_conversation, render_for_reply) and the data:
-  build_data reads each source (parse_source, load_source, check_conversation), renders each conversation and
-  packs them into rows (pack_rows, rows_to_arrays); RowLoader reads the rows, with -1 targets where nothing
-  is learned.
+- The chat format (the "chat" block: get_chat_tokenizer, render_conversation, render_for_reply), with the
+  calculator's calls and outputs, and the data: build_data reads each source and test split (parse_source,
+  load_source with calculator_parts for GSM8K, check_conversation; spelling_conversations generates the
+  spelling tasks), renders each conversation and packs them into rows (pack_rows, rows_to_arrays); RowLoader
+  reads the rows, with -1 targets where nothing is learned.
 - lr_multiplier: flat, then a linear decay to 0 (no warm-up: the weights are trained already).
 - main(): the model comes from --init_ckpt or --init_from; each step's loss is averaged over the targets it
   learns, which the loader counts first (RowLoader.step_tokens); the val rows are padded to whole
@@ -43,6 +45,7 @@ import random
 import re
 import shutil
 import signal
+import string
 import sys
 import tempfile
 import time
@@ -81,11 +84,24 @@ def die(message):
 # -----------------------------------------------------------------------------
 # flags
 
-HUB_SOURCES = {  # what `KIND:hub` loads through `datasets`, (name, config), of which the train split
-    "chat": ("HuggingFaceTB/smol-smoltalk", None),
-    "mmlu": ("cais/mmlu", "auxiliary_train"),
-    "gsm8k": ("openai/gsm8k", "main"),
+# what `KIND:hub` loads through `datasets`: (name, config) of its train split, and of its test split
+HUB_SOURCES = {
+    "chat": (("HuggingFaceTB/smol-smoltalk", None), ("HuggingFaceTB/smol-smoltalk", None)),
+    "mmlu": (("cais/mmlu", "auxiliary_train"), ("cais/mmlu", "all")),
+    "gsm8k": (("openai/gsm8k", "main"), ("openai/gsm8k", "main")),
 }
+# The spelling tasks are generated from a word list, their rows counted in --data (nanochat's sizes by
+# default). Their `hub` is nanochat's list: dwyl/english-words' 370K words, downloaded once.
+SPELLING_ROWS = {"simplespelling": 200_000, "spellingbee": 80_000}
+WORD_LIST_URL = "https://raw.githubusercontent.com/dwyl/english-words/refs/heads/master/words_alpha.txt"
+IDENTITY_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/identity_conversations.jsonl"
+# nanochat's midtraining mixture: SmolTalk, MMLU auxiliary_train, GSM8K, its identity chats twice, the
+# spelling tasks; val is the first three's test splits
+DEFAULT_DATA = ["chat:hub", "mmlu:hub", "gsm8k:hub", f"chat:{IDENTITY_URL}:2", "simplespelling:hub:200000",
+                "spellingbee:hub:80000"]
+# The most rows a test split gives val: nanochat's, which keep its val near 5.2% of each train source, as are
+# SmolTalk's 24K test rows (MMLU's has 14K, GSM8K's 1.3K)
+VAL_ROWS = {"chat": None, "mmlu": 5200, "gsm8k": 420, "simplespelling": 10_400, "spellingbee": 4160}
 
 # --demo: train_gpt2.py --demo's model taught to answer questions about the stdlib, in 1-2 min on 2 cores, on
 # prepare_fineweb.py --demo's questions (re.compile, the prompt, is held out)
@@ -104,12 +120,17 @@ def get_args(argv=None):
                    help="train_gpt2.py checkpoint to start from (a file or an out_dir)")
     p.add_argument("--init_from", choices=MODEL_SIZES,
                    help="start from OpenAI's weights (needs transformers)")
-    p.add_argument("--data", nargs="+", default=["chat:hub", "mmlu:hub", "gsm8k:hub"],
-                   help="sources KIND:PATH[:EPOCHS]; KIND chat (.jsonl of {messages} or bare message lists), "
-                        "gsm8k (.jsonl question/answer) or mmlu (.csv or folder of them); PATH `hub` loads it "
-                        "by name")
+    p.add_argument("--data", nargs="+", default=DEFAULT_DATA,
+                   help="sources KIND:PATH[:EPOCHS]; KIND chat (.jsonl of {messages} or bare message "
+                        "lists), gsm8k (.jsonl question/answer, with its calculator calls) or mmlu (.csv or "
+                        "folder of them); or simplespelling or spellingbee from a word list, a word a line, "
+                        "with ROWS for EPOCHS; PATH `hub` loads it by name, a URL is downloaded once")
+    p.add_argument("--val_data", nargs="*", default=[],
+                   help="test splits for val, KIND:PATH[:ROWS] (at most ROWS, nanochat's by default: "
+                        f"{VAL_ROWS}); a hub source's val is its test split on the hub")
     p.add_argument("--val_fraction", type=ranged(float, 0, 1, low_open=True, high_open=True), default=0.02,
-                   help="share of each source held out for val (0 would leave no val split, 1 no train data)")
+                   help="share held out for val of each source whose kind has no test split (0 would leave "
+                        "no val split, 1 no train data)")
     p.add_argument("--train_on", default="assistant", choices=["assistant", "all"],
                    help="learn the assistant's tokens only, or every token")
     p.add_argument("--seq_len", type=positive_int,
@@ -335,25 +356,43 @@ class GPT(nn.Module):
 
 # ---- shared: chat ----
 CHAT_TOKENS = ["<|bos|>", "<|system_start|>", "<|system_end|>", "<|user_start|>", "<|user_end|>",
-               "<|assistant_start|>", "<|assistant_end|>"]  # ids 50257.., inside the model's padded vocab
+               "<|assistant_start|>", "<|assistant_end|>",
+               # the calculator's, added later: a call the model writes, and the output the tool writes back
+               "<|python_start|>", "<|python_end|>", "<|output_start|>", "<|output_end|>"]
 ROLE_TOKENS = {role: (f"<|{role}_start|>", f"<|{role}_end|>") for role in ("system", "user", "assistant")}
+# the parts of an assistant's message besides text (nanochat's): a calculator call and the tool's output
+TOOL_TOKENS = {"python": ("<|python_start|>", "<|python_end|>"),
+               "python_output": ("<|output_start|>", "<|output_end|>")}
 
 
-def get_chat_tokenizer():
-    """The gpt2 tokenizer plus the chat special tokens."""
-    return get_tokenizer({token: i for i, token in enumerate(CHAT_TOKENS, EOT_TOKEN + 1)})
+def get_chat_tokenizer(chat_tokens=CHAT_TOKENS):
+    """The gpt2 tokenizer plus the chat special tokens at ids 50257.., inside the model's padded vocab. A
+    checkpoint made before the calculator's tokens gives its own list: the tokens it has keep their ids."""
+    return get_tokenizer({token: i for i, token in enumerate(chat_tokens, EOT_TOKEN + 1)})
 
 
 def render_conversation(enc, messages):
-    """Token ids of a conversation, and a loss mask that is 1 on the assistant's tokens and its end token:
-    <|bos|> <|user_start|> text <|user_end|> <|assistant_start|> text <|assistant_end|> ..."""
+    """Token ids of a conversation, and a loss mask that is 1 on what the assistant writes and its end token:
+    <|bos|> <|user_start|> text <|user_end|> <|assistant_start|> text <|assistant_end|> ... An assistant's
+    content is text, or a list of nanochat's parts {"type": "text", "python" or "python_output", "text"};
+    a call is learned, the tool's output is not (at chat time the calculator writes it)."""
     ids, mask = [enc.encode_single_token("<|bos|>")], [0]
     for message in messages:
         start_token, end_token = ROLE_TOKENS[message["role"]]
-        content = enc.encode_ordinary(message["content"])
         learn = int(message["role"] == "assistant")
-        ids += [enc.encode_single_token(start_token)] + content + [enc.encode_single_token(end_token)]
-        mask += [0] + [learn] * (len(content) + 1)
+        content = message["content"]
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        ids.append(enc.encode_single_token(start_token))
+        mask.append(0)
+        for part in parts:
+            part_ids = enc.encode_ordinary(part["text"])
+            if part["type"] in TOOL_TOKENS:
+                part_start, part_end = (enc.encode_single_token(t) for t in TOOL_TOKENS[part["type"]])
+                part_ids = [part_start] + part_ids + [part_end]
+            ids += part_ids
+            mask += [learn * (part["type"] != "python_output")] * len(part_ids)
+        ids.append(enc.encode_single_token(end_token))
+        mask.append(learn)
     return ids, mask
 
 
@@ -368,16 +407,17 @@ def render_for_reply(enc, messages):
 # data: sources -> conversations -> rendered, packed rows
 
 
-def parse_source(spec):
-    """KIND:PATH[:EPOCHS], a source of --data."""
+def parse_source(spec, flag="--data"):
+    """KIND:PATH[:N], a source of --data (N: its epochs, or a spelling task's rows) or of --val_data (N: the
+    most rows it gives)."""
+    kinds = [*HUB_SOURCES, *SPELLING_ROWS]
     match = re.fullmatch(r"(\w+):(.+?)(?::(\d+))?", spec)
-    if not match or match[1] not in HUB_SOURCES:
-        die(f"--data {spec}: expected KIND:PATH[:EPOCHS] with KIND one of {', '.join(HUB_SOURCES)}")
-    kind, path, epochs = match.groups()
-    epochs = int(epochs or 1)
-    if epochs < 1:
-        die(f"--data {spec}: EPOCHS must be 1 or more")
-    return kind, path, epochs
+    if not match or match[1] not in kinds:
+        die(f"{flag} {spec}: expected KIND:PATH[:N] with KIND one of {', '.join(kinds)}")
+    kind, path, count = match.groups()
+    if count is not None and int(count) < 1:
+        die(f"{flag} {spec}: N (epochs or rows) must be 1 or more")
+    return kind, path, count and int(count)
 
 
 def check_conversation(messages, where):
@@ -387,8 +427,14 @@ def check_conversation(messages, where):
     if not isinstance(messages, list) or not messages:
         die(f"{where}: empty conversation; a conversation is a non-empty list of {{role, content}} messages")
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
-            die(f"{where}: a message without text content; each message is {{\"role\": ..., \"content\": \"...\"}}")
+        content = m.get("content") if isinstance(m, dict) else None
+        # text, or nanochat's list of parts (text, calculator calls and their outputs)
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        part_ok = (lambda p: isinstance(p, dict) and p.get("type") in ("text", *TOOL_TOKENS)
+                   and isinstance(p.get("text"), str))
+        if not isinstance(parts, list) or not all(map(part_ok, parts)):
+            die(f"{where}: a message without text content; each message is {{\"role\": ..., \"content\": "
+                f"\"...\"}}, its content text or a list of parts {{\"type\": \"text\", \"text\": \"...\"}}")
         role = m.get("role")
         if not isinstance(role, str) or role not in ROLE_TOKENS:
             die(f"{where}: unknown role {role!r}; roles are {', '.join(ROLE_TOKENS)}")
@@ -431,15 +477,34 @@ def read_mmlu_csv(path):
         yield dict(question=row[0], choices=row[1:5], answer=answer), f"{path} row {row_no}"
 
 
-def load_source(kind, path):
-    """The conversations of one source, each checked."""
+def download(url):
+    """A file of the web, downloaded once into ~/.cache/nanogpt (or $XDG_CACHE_HOME/nanogpt): its path."""
+    import urllib.request
+    folder = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "nanogpt")
+    path = os.path.join(folder, os.path.basename(url))
+    if not os.path.exists(path):
+        print0(f"downloading {url} to {path}")
+        tmp = f"{path}.{os.getpid()}.tmp"  # each rank its own, then one rename: a file is whole or absent
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with urllib.request.urlopen(url, timeout=60) as response, open(tmp, "wb") as f:
+                f.write(response.read())
+            os.replace(tmp, path)
+        except OSError as e:  # no network, an HTTP error, a full disk
+            die(f"cannot download {url} to {path} ({e}); offline, give a local copy in its place in --data")
+    return path
+
+
+def load_source(kind, path, split="train"):
+    """The conversations of one source, each checked; `hub` gives the train or the test split."""
     if path == "hub":
         if not hub_reachable():
             die(f"cannot reach the Hugging Face hub for {kind}:hub; offline, give local files, e.g. --data {kind}:path")
         import datasets
-        dataset = datasets.load_dataset(*HUB_SOURCES[kind], split="train")
-        rows = ((row, f"{kind}:hub row {i}") for i, row in enumerate(dataset))
+        dataset = datasets.load_dataset(*HUB_SOURCES[kind][split == "test"], split=split)
+        rows = ((row, f"{kind}:hub {split} row {i}") for i, row in enumerate(dataset))
     else:
+        path = download(path) if re.match(r"https?://", path) else path
         pattern = "*.csv" if kind == "mmlu" else "*.jsonl"
         files = sorted(glob.glob(os.path.join(glob.escape(path), pattern))) if os.path.isdir(path) else [path]
         if not files or not all(os.path.isfile(f) for f in files):
@@ -457,8 +522,7 @@ def load_source(kind, path):
                 if not has_text:
                     die(f"{where}: a GSM8K row needs question and answer, both strings")
                 question = row["question"]
-                # drop the calculator annotations, keep "#### <number>"
-                answer = re.sub(r"<<[^>]*>>", "", row["answer"])
+                answer = calculator_parts(row["answer"])
             else:  # mmlu
                 row = row.get("train", row)  # the hub's auxiliary_train nests its rows
                 options = "\n".join(f"{letter}. {choice}" for letter, choice in zip("ABCD", row["choices"]))
@@ -466,6 +530,80 @@ def load_source(kind, path):
                 answer = "ABCD"[int(row["answer"])]
             messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
         conversations.append(check_conversation(messages, where))
+    return conversations
+
+
+def calculator_parts(answer):
+    """A GSM8K answer as nanochat's parts: each calculator annotation, <<48/2=24>>, a call (48/2) and the
+    tool's output (24); the text around them is kept whole ("... = 24 ... #### 72")."""
+    parts = []
+    for i, piece in enumerate(re.split(r"<<([^>]*)>>", answer)):
+        if i % 2 == 0:
+            parts.append({"type": "text", "text": piece})
+        else:
+            call, _, output = piece.rpartition("=") if "=" in piece else (piece, "", "")
+            parts += [{"type": "python", "text": call}, {"type": "python_output", "text": output}]
+    return parts
+
+
+# SpellingBee's questions, in several phrasings and languages, as a user might ask
+LETTER_COUNT_QUESTIONS = [
+    "How many {letter} are in the word {word}", "How many {letter} are in {word}",
+    "How many times does {letter} appear in {word}", "Count the {letter} in {word}",
+    "In the word {word}, how many {letter} are there", "How many letter {letter} does {word} have",
+    "What is the number of {letter} in {word}", "How often is {letter} in {word}",
+    "Tell me how many {letter} there are in {word}", "{word}: how many {letter}",
+    "How many {letter}'s are in {word}", "Count how many times {letter} occurs in {word}",
+    "¿Cuántas {letter} hay en {word}", "Combien de {letter} dans {word}",
+    "Wie viele {letter} sind in {word}", "{word}中有多少个{letter}", "{word}에 {letter}가 몇 개 있나요",
+    "{word}に{letter}はいくつありますか",
+]
+
+
+def spelling_conversations(kind, path, rows, seed):
+    """rows conversations of a spelling task, generated from the words of a list (one a line: lowercase
+    letters only are kept), the same for the same seed. SimpleSpelling spells a word out; SpellingBee counts
+    a letter in a word step by step, then checks the count with a calculator call, as nanochat's do."""
+    path = WORD_LIST_URL if path == "hub" else path
+    path = download(path) if re.match(r"https?://", path) else path
+    try:
+        with open(path, encoding="utf-8") as f:
+            words = [w for w in (line.strip().lower() for line in f) if re.fullmatch("[a-z]+", w)]
+    except (OSError, UnicodeDecodeError) as e:
+        die(f"--data {kind}:{path}: cannot read a word list ({e}); give a UTF-8 text file, a word a line")
+    if not words:
+        die(f"--data {kind}:{path} holds no word of letters a-z; give a text file of words, one a line")
+    rng = random.Random(f"{kind} {seed}")
+    conversations = []
+    for _ in range(rows):
+        word = rng.choice(words)
+        spelled = f"{word}:{','.join(word)}"
+        if kind == "simplespelling":
+            conversations.append([{"role": "user", "content": f"Spell the word: {word}"},
+                                  {"role": "assistant", "content": spelled}])
+            continue
+        # a letter of the word, or now and then any letter (a count of 0)
+        letter = rng.choice(word) if rng.random() < 0.9 else rng.choice(string.ascii_lowercase)
+        question = rng.choice(LETTER_COUNT_QUESTIONS)
+        question = question.lower() if rng.random() < 0.3 else question
+        quote_letter, quote_word = rng.choice(["", "'", '"']), rng.choice(["", "'", '"'])
+        question = question.format(letter=f"{quote_letter}{letter}{quote_letter}",
+                                   word=f"{quote_word}{word}{quote_word}")
+        question += "?" if rng.random() < 0.5 else ""
+        # the count, letter by letter: no space before a letter, as " a" would be another token than "a"
+        steps, count = [], 0
+        for i, char in enumerate(word, 1):
+            count += char == letter
+            steps.append(f"{i}:{char}" + (f" hit! count={count}" if char == letter else ""))
+        counting = (f"We are asked to find the number '{letter}' in the word '{word}'. Let me try a manual "
+                    f"approach first.\n\nFirst spell the word out:\n{spelled}\n\nThen count the occurrences "
+                    f"of '{letter}':\n" + "\n".join(steps) + f"\n\nThis gives us {count}.")
+        final = f"\n\nPython gives us {count}.\n\nMy final answer is:\n\n#### {count}"
+        answer = [{"type": "text", "text": counting + "\n\nLet me double check this using Python:\n\n"},
+                  {"type": "python", "text": f"'{word}'.count('{letter}')"},
+                  {"type": "python_output", "text": str(count)}, {"type": "text", "text": final}]
+        conversations.append([{"role": "user", "content": question},
+                              {"role": "assistant", "content": answer}])
     return conversations
 
 
@@ -491,7 +629,7 @@ def pack_rows(conversations, capacity):
 
 
 def rows_to_arrays(rows, conversations, capacity):
-    """(N, capacity) token ids (uint16: the chat vocab of 50264 fits) and bool loss mask, 3 bytes a token;
+    """(N, capacity) token ids (uint16: the chat vocab of 50268 fits) and bool loss mask, 3 bytes a token;
     the room left in a row is padding with mask 0."""
     tokens = np.full((len(rows), capacity), EOT_TOKEN, dtype=np.uint16)
     mask = np.zeros((len(rows), capacity), dtype=bool)
@@ -503,9 +641,10 @@ def rows_to_arrays(rows, conversations, capacity):
 
 
 def build_data(args, enc, capacity):
-    """Train and val rows: each source shuffled (seeded), its first val_fraction held out. Each train epoch
-    is packed on its own, so no row holds two copies of a conversation; epoch e holds the sources with more
-    than e epochs."""
+    """Train and val rows, and a line on each source. Val is the test splits: of --val_data, and a hub
+    source's on the hub; a source whose kind has none gives its first val_fraction (after a seeded shuffle).
+    Each train epoch is packed on its own, so no row holds two copies of a conversation; epoch e holds the
+    sources with more than e epochs."""
 
     def render(messages):
         ids, mask = render_conversation(enc, messages)
@@ -513,15 +652,39 @@ def build_data(args, enc, capacity):
             mask = [0] + [1] * (len(ids) - 1)
         return np.array(ids, dtype=np.uint16), np.array(mask, dtype=bool)
 
-    train, val = [], []  # train: (rendered conversation, its epochs)
-    for spec in args.data:
-        kind, path, epochs = parse_source(spec)
-        conversations = load_source(kind, path)
+    def conversations_of(kind, path, count, split):
+        if kind in SPELLING_ROWS:  # generated: the test split from another seed
+            return spelling_conversations(kind, path, count or SPELLING_ROWS[kind], f"{split} {args.seed}")
+        conversations = load_source(kind, path, split)
         random.Random(args.seed).shuffle(conversations)
-        # a source of a single conversation keeps it for training
-        n_val = math.ceil(len(conversations) * args.val_fraction) if len(conversations) > 1 else 0
+        return conversations
+
+    sources = [parse_source(spec) for spec in args.data]
+    # the test splits: those given, and the hub's of a kind that comes from the hub and has none given
+    test_splits = [parse_source(spec, "--val_data") for spec in args.val_data]
+    given = {kind for kind, _, _ in test_splits}
+    test_splits += [(kind, "hub", None) for kind, path, _ in sources
+                    if path == "hub" and kind in HUB_SOURCES and kind not in given]
+    test_kinds = {kind for kind, _, _ in test_splits}
+    train, val = [], []  # train: (rendered conversation, its epochs)
+    for kind, path, count in test_splits:
+        rows = count or VAL_ROWS[kind]
+        conversations = conversations_of(kind, path, rows, "test")[:rows]
+        val += [render(m) for m in conversations]
+        print0(f"val: {kind}:{path} test split, {len(conversations):,} conversations")
+    for kind, path, count in sources:
+        conversations = conversations_of(kind, path, count, "train")
+        # A kind without a test split holds out a share of each source (but a source of one conversation, and
+        # a generated one: its test split is generated apart, from another seed).
+        n_val = 0
+        if kind not in test_kinds and kind not in SPELLING_ROWS and len(conversations) > 1:
+            n_val = math.ceil(len(conversations) * args.val_fraction)
+            print0(f"val: {kind}:{path} held out, {n_val:,} conversations (--val_fraction "
+                   f"{args.val_fraction:g}: no test split of {kind} in --val_data)")
         val += [render(m) for m in conversations[:n_val]]
+        epochs = 1 if kind in SPELLING_ROWS else count or 1
         train += [(render(m), epochs) for m in conversations[n_val:]]
+        print0(f"train: {kind}:{path}, {len(conversations) - n_val:,} conversations x{epochs}")
 
     num_epochs = max((epochs for _, epochs in train), default=1)
     train_epochs = [[item for item, epochs in train if epochs > epoch] for epoch in range(num_epochs)]

@@ -7,12 +7,15 @@ Generate text from a checkpoint of train_gpt2.py or mid_train.py, or from OpenAI
     python sample.py --ckpt out/mid --chat
 
 Generation uses a KV cache: the prompt is run once, then one token per forward pass. When a sample outgrows the
-model's context, the last half of it is kept and run again, and generation goes on.
+model's context, the last half of it is kept and run again, and generation goes on. In a chat, a call the
+model closes is run by a calculator of arithmetic only, and its result goes back in as the tool's output.
 """
 
 import argparse
+import ast
 import codecs
 import glob
+import operator
 import os
 import sys
 import time
@@ -128,24 +131,26 @@ def generate(model, idx, max_new_tokens, n_vocab, temperature=1.0, top_k=None, t
 
 
 def stream(tokens, enc, stop_tokens):
-    """Write tokens to the terminal as they come, until a stop token; return the ids written."""
+    """Write tokens to the terminal as they come, until a stop token; return the ids written, and the stop
+    token (None if none came)."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character may span several tokens
-    ids = []
+    ids, stop = [], None
     for token in tokens:
         token = token.item()
         if token in stop_tokens:
+            stop = token
             break
         ids.append(token)
         print(decoder.decode(enc.decode_single_token_bytes(token)), end="", flush=True)
     print(decoder.decode(b"", final=True), end="")
-    return ids
+    return ids, stop
 
 
-def chat(enc, generate_from):
-    """Read a user turn, stream the assistant's reply up to <|assistant_end|>, keep the conversation, repeat.
-    With piped input each user turn is echoed, so that the output reads as the conversation."""
-    stop = {enc.encode_single_token("<|assistant_end|>"), EOT_TOKEN}
-    messages = []
+def chat(enc, generate_from, max_new_tokens):
+    """Read a user turn, stream the assistant's reply up to <|assistant_end|>, keep the conversation (the
+    tokens as the model wrote them), repeat. With piped input each user turn is echoed, so that the output
+    reads as the conversation."""
+    ids = [enc.encode_single_token("<|bos|>")]
     tty = sys.stdin.isatty()
     print("chat with the model; an empty line or Ctrl-D ends it", file=sys.stderr)
     while True:
@@ -157,11 +162,91 @@ def chat(enc, generate_from):
             break
         if not tty:
             print(f"user: {user}")
-        messages.append({"role": "user", "content": user})
+        # the user's message (without render_for_reply's <|bos|>), then the reply's start
+        ids += render_for_reply(enc, [{"role": "user", "content": user}])[1:]
         print("assistant: ", end="", flush=True)
-        reply = stream(generate_from(render_for_reply(enc, messages)), enc, stop)
+        reply = assistant_reply(enc, generate_from, ids, max_new_tokens)
+        ids += reply + [enc.encode_single_token("<|assistant_end|>")]
         print()
-        messages.append({"role": "assistant", "content": enc.decode(reply)})
+
+
+def assistant_reply(enc, generate_from, ids, max_new_tokens):
+    """Stream the reply that follows ids, up to its end, and return its tokens. When the model closes a
+    calculator call, <|python_start|>48/2<|python_end|>, the calculator runs it, and its result goes in
+    as the tool's output, <|output_start|>24<|output_end|>, which the model reads on from (as nanochat's
+    engine does)."""
+    # a checkpoint made before the calculator's tokens has none: its model never closes a call
+    has_calls = "<|python_end|>" in enc.special_tokens_set
+    call_end = enc.encode_single_token("<|python_end|>") if has_calls else -1
+    stop_tokens = {enc.encode_single_token("<|assistant_end|>"), EOT_TOKEN, call_end}
+    reply = []
+    while len(reply) < max_new_tokens:
+        new, stop = stream(generate_from(ids + reply, max_new_tokens - len(reply)), enc, stop_tokens)
+        reply += new
+        if stop != call_end:  # the reply's end, or max_new_tokens
+            break
+        _, call_start, call = enc.decode(reply).rpartition("<|python_start|>")
+        result = calculate(call) if call_start else None
+        reply.append(call_end)
+        print("<|python_end|>", end="", flush=True)
+        if result is None:  # the model reads on without an output, as in nanochat
+            refused = f"{call!r} is not arithmetic it evaluates" if call_start else "it closed no call"
+            print(f"\n[calculator: {refused}; no output]", file=sys.stderr)
+            continue
+        output = [enc.encode_single_token("<|output_start|>"), *enc.encode_ordinary(result),
+                  enc.encode_single_token("<|output_end|>")]
+        reply += output
+        print(enc.decode(output), end="", flush=True)
+    return reply
+
+
+# -----------------------------------------------------------------------------
+# the calculator, the tool of GSM8K's and SpellingBee's calls: model text is parsed, never run
+
+CALCULATOR_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+                        ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+                        ast.Pow: operator.pow, ast.USub: operator.neg, ast.UAdd: operator.pos}
+CALCULATOR_LIMIT = 1e30  # the largest number taken or given, so that no call takes long or fills memory
+
+
+def calculate(expression):
+    """The value, as text, of an arithmetic expression the model wrote: numbers, + - * / // % **, parentheses
+    and signs (commas in numbers, 1,000, are dropped, as GSM8K writes them), or of the letter count that
+    SpellingBee teaches, 'strawberry'.count('r'). Anything else, or a number out of bounds, is None."""
+    if len(expression) > 200:
+        return None
+    try:
+        value = calculator_value(ast.parse(expression.replace(",", "").strip(), mode="eval").body)
+    except (SyntaxError, ValueError, ArithmeticError, TypeError, RecursionError):
+        return None
+    if isinstance(value, float):  # 48/2 is 24, as GSM8K writes it
+        value = int(value) if value.is_integer() else round(value, 6)
+    return str(value)
+
+
+def calculator_value(node):
+    """The value of a parsed expression; ValueError for a node of anything but arithmetic."""
+    # 'word'.count('r'): a method of a string written out, with one string written out
+    letter_count = (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "count" and len(node.args) == 1 and not node.keywords
+                    and all(isinstance(n, ast.Constant) and isinstance(n.value, str)
+                            for n in [node.func.value, *node.args]))
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        value = node.value
+    elif isinstance(node, ast.UnaryOp) and type(node.op) in CALCULATOR_OPERATORS:
+        value = CALCULATOR_OPERATORS[type(node.op)](calculator_value(node.operand))
+    elif isinstance(node, ast.BinOp) and type(node.op) in CALCULATOR_OPERATORS:
+        left, right = calculator_value(node.left), calculator_value(node.right)
+        if isinstance(node.op, ast.Pow) and abs(right) > 100:  # checked before it is computed
+            raise ValueError("exponent out of bounds")
+        value = CALCULATOR_OPERATORS[type(node.op)](left, right)
+    elif letter_count:
+        value = node.func.value.value.count(node.args[0].value)
+    else:
+        raise ValueError(f"not arithmetic: {ast.dump(node)}")
+    if isinstance(value, complex) or not abs(value) <= CALCULATOR_LIMIT:  # (-8) ** 0.5 is complex; nan
+        raise ValueError("out of bounds")
+    return value
 
 
 def main(argv=None):
@@ -186,6 +271,8 @@ def main(argv=None):
     model = model_from_checkpoint(checkpoint) if args.ckpt else gpt_from_pretrained(args.hf)
     if args.ckpt:
         print(f"loaded {path} ({kind}, step {checkpoint.get('step')})", file=sys.stderr)
+    # the chat tokens it was trained with: one made before the calculator's has fewer, at the same ids
+    chat_tokens = checkpoint.get("chat_tokens", CHAT_TOKENS)
     del checkpoint
     if device_type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
         # decoding a token at a time, many threads on small matmuls stall whenever another process has a core
@@ -193,16 +280,16 @@ def main(argv=None):
         print("cpu threads: 1 (OMP_NUM_THREADS=N to change)", file=sys.stderr)
     model.to(device).eval()
     autocast_ctx = autocast_context(device_type, autocast_dtype(args.dtype, device))
-    enc = get_chat_tokenizer() if kind == "mid" else get_tokenizer()
+    enc = get_chat_tokenizer(chat_tokens) if kind == "mid" else get_tokenizer()
     generator = torch.Generator(device).manual_seed(args.seed)
 
-    def generate_from(ids):
+    def generate_from(ids, max_new_tokens=args.max_new_tokens):
         idx = torch.tensor([ids], dtype=torch.long, device=device)
-        return generate(model, idx, args.max_new_tokens, enc.n_vocab, args.temperature, args.top_k or None,
+        return generate(model, idx, max_new_tokens, enc.n_vocab, args.temperature, args.top_k or None,
                         args.top_p, generator, autocast_ctx=autocast_ctx)
 
     if args.chat:
-        return chat(enc, generate_from)
+        return chat(enc, generate_from, args.max_new_tokens)
 
     # generate() keeps the end of a long one: what it continues
     prompt_ids = enc.encode_ordinary(prompt) or [EOT_TOKEN]
@@ -211,7 +298,7 @@ def main(argv=None):
             print("\n" + "-" * 40)
         print(prompt, end="", flush=True)
         start = time.perf_counter()
-        ids = stream(generate_from(prompt_ids), enc, {EOT_TOKEN})
+        ids, _ = stream(generate_from(prompt_ids), enc, {EOT_TOKEN})
         print(f"\n[{len(ids)} tokens, {len(ids) / (time.perf_counter() - start):.1f} tok/s]",
               file=sys.stderr)
 
@@ -287,25 +374,43 @@ def get_tokenizer(special_tokens=None):
 
 # ---- shared: chat ----
 CHAT_TOKENS = ["<|bos|>", "<|system_start|>", "<|system_end|>", "<|user_start|>", "<|user_end|>",
-               "<|assistant_start|>", "<|assistant_end|>"]  # ids 50257.., inside the model's padded vocab
+               "<|assistant_start|>", "<|assistant_end|>",
+               # the calculator's, added later: a call the model writes, and the output the tool writes back
+               "<|python_start|>", "<|python_end|>", "<|output_start|>", "<|output_end|>"]
 ROLE_TOKENS = {role: (f"<|{role}_start|>", f"<|{role}_end|>") for role in ("system", "user", "assistant")}
+# the parts of an assistant's message besides text (nanochat's): a calculator call and the tool's output
+TOOL_TOKENS = {"python": ("<|python_start|>", "<|python_end|>"),
+               "python_output": ("<|output_start|>", "<|output_end|>")}
 
 
-def get_chat_tokenizer():
-    """The gpt2 tokenizer plus the chat special tokens."""
-    return get_tokenizer({token: i for i, token in enumerate(CHAT_TOKENS, EOT_TOKEN + 1)})
+def get_chat_tokenizer(chat_tokens=CHAT_TOKENS):
+    """The gpt2 tokenizer plus the chat special tokens at ids 50257.., inside the model's padded vocab. A
+    checkpoint made before the calculator's tokens gives its own list: the tokens it has keep their ids."""
+    return get_tokenizer({token: i for i, token in enumerate(chat_tokens, EOT_TOKEN + 1)})
 
 
 def render_conversation(enc, messages):
-    """Token ids of a conversation, and a loss mask that is 1 on the assistant's tokens and its end token:
-    <|bos|> <|user_start|> text <|user_end|> <|assistant_start|> text <|assistant_end|> ..."""
+    """Token ids of a conversation, and a loss mask that is 1 on what the assistant writes and its end token:
+    <|bos|> <|user_start|> text <|user_end|> <|assistant_start|> text <|assistant_end|> ... An assistant's
+    content is text, or a list of nanochat's parts {"type": "text", "python" or "python_output", "text"};
+    a call is learned, the tool's output is not (at chat time the calculator writes it)."""
     ids, mask = [enc.encode_single_token("<|bos|>")], [0]
     for message in messages:
         start_token, end_token = ROLE_TOKENS[message["role"]]
-        content = enc.encode_ordinary(message["content"])
         learn = int(message["role"] == "assistant")
-        ids += [enc.encode_single_token(start_token)] + content + [enc.encode_single_token(end_token)]
-        mask += [0] + [learn] * (len(content) + 1)
+        content = message["content"]
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        ids.append(enc.encode_single_token(start_token))
+        mask.append(0)
+        for part in parts:
+            part_ids = enc.encode_ordinary(part["text"])
+            if part["type"] in TOOL_TOKENS:
+                part_start, part_end = (enc.encode_single_token(t) for t in TOOL_TOKENS[part["type"]])
+                part_ids = [part_start] + part_ids + [part_end]
+            ids += part_ids
+            mask += [learn * (part["type"] != "python_output")] * len(part_ids)
+        ids.append(enc.encode_single_token(end_token))
+        mask.append(learn)
     return ids, mask
 
 

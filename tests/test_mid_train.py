@@ -191,3 +191,78 @@ def test_bad_data_names_file_and_line(case, base_ckpt, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and f"{path}:3" in lines[0], proc.stderr
     assert {"malformed": "not valid JSON", "unknown_role": "unknown role 'robot'", "empty": "empty"}[case] in lines[0]
+
+
+GSM8K_ROW = {"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in "
+                         "May. How many clips did Natalia sell altogether in April and May?",
+             "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips "
+                       "altogether in April and May.\n#### 72"}
+
+
+def test_gsm8k_calculator_calls_render_as_tool_calls_with_the_tools_output_masked(tmp_path):
+    (tmp_path / "gsm8k.jsonl").write_text(json.dumps(GSM8K_ROW) + "\n")
+    [conversation] = mid_train.load_source("gsm8k", str(tmp_path / "gsm8k.jsonl"))
+    enc = mid_train.get_chat_tokenizer()
+    ids, mask = mid_train.render_conversation(enc, conversation)
+    call = "<|python_start|>{}<|python_end|><|output_start|>{}<|output_end|>"
+    reply = (f"Natalia sold 48/2 = {call.format('48/2', 24)}24 clips in May.\nNatalia sold 48+24 = "
+             f"{call.format('48+24', 72)}72 clips altogether in April and May.\n#### 72")
+    assert enc.decode(ids) == (f"<|bos|><|user_start|>{GSM8K_ROW['question']}<|user_end|><|assistant_start|>{reply}"
+                               f"<|assistant_end|>")
+    # learned: the assistant's text and calls, not the tool's outputs (nor the question, as before)
+    learned = enc.decode([t for t, m in zip(ids, mask) if m])
+    assert learned == re.sub(r"<\|output_start\|>\d+<\|output_end\|>", "", reply) + "<|assistant_end|>"
+    outputs = [t for t, m in zip(ids, mask) if not m and t >= enc.encode_single_token("<|output_start|>")]
+    assert enc.decode(outputs) == "<|output_start|><|output_end|>" * 2
+    assert ids[:ids.index(enc.encode_single_token("<|assistant_start|>")) + 1] == mid_train.render_for_reply(
+        enc, conversation[:1])  # the question renders as any user message
+
+
+def write_words(path):
+    path.write_text("strawberry\nBanana\nco-op\nkayak\n\nmississippi\n")  # "co-op" is no word of letters a-z
+
+
+def test_spelling_tasks_are_nanochats_rows_generated_from_a_word_list_the_same_for_a_seed(tmp_path):
+    write_words(tmp_path / "words.txt")
+    words = {"strawberry", "banana", "kayak", "mississippi"}
+    spell = mid_train.spelling_conversations("simplespelling", str(tmp_path / "words.txt"), 20, "train 1")
+    for user, assistant in spell:
+        word = user["content"].removeprefix("Spell the word: ")
+        assert word in words and assistant["content"] == f"{word}:{','.join(word)}"
+    bee = mid_train.spelling_conversations("spellingbee", str(tmp_path / "words.txt"), 50, "train 1")
+    assert bee == mid_train.spelling_conversations("spellingbee", str(tmp_path / "words.txt"), 50, "train 1")
+    assert bee != mid_train.spelling_conversations("spellingbee", str(tmp_path / "words.txt"), 50, "train 2")
+    for user, assistant in bee:
+        text, call, output, answer = assistant["content"]
+        word, letter = re.search(r"'(\w+)'\.count\('(\w)'\)", call["text"]).groups()
+        assert word in words and word in user["content"] and call["type"] == "python"
+        assert output == {"type": "python_output", "text": str(word.count(letter))}
+        assert f"{word}:{','.join(word)}" in text["text"] and text["text"].count("hit!") == word.count(letter)
+        assert answer["text"].endswith(f"#### {word.count(letter)}")
+    enc = mid_train.get_chat_tokenizer()
+    ids, mask = mid_train.render_conversation(enc, bee[0])
+    assert mask[ids.index(enc.encode_single_token("<|output_start|>"))] == 0
+    # in --data their sizes are rows; generated, they hold nothing out for val
+    write_chat(tmp_path / "chat.jsonl", conversations(20))
+    args = mid_train.get_args(["--init_from", "gpt2", "--data", f"chat:{tmp_path / 'chat.jsonl'}",
+                               f"simplespelling:{tmp_path / 'words.txt'}:30", f"spellingbee:{tmp_path / 'words.txt'}:12",
+                               "--val_fraction", "0.1"])
+    splits = mid_train.build_data(args, enc, 1025)
+    assert splits["train"][2] == 18 + 30 + 12 and splits["val"][2] == 2
+
+
+def test_val_is_the_test_splits_and_only_a_kind_without_one_holds_out(tmp_path, capsys):
+    write_chat(tmp_path / "chat.jsonl", conversations(40))
+    rows = [dict(GSM8K_ROW, question=f"{GSM8K_ROW['question']} ({i})") for i in range(30)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:20]))
+    (tmp_path / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[20:]))
+    args = mid_train.get_args(["--init_from", "gpt2", "--data", f"chat:{tmp_path / 'chat.jsonl'}:2",
+                               f"gsm8k:{tmp_path / 'train.jsonl'}", "--val_data", f"gsm8k:{tmp_path / 'test.jsonl'}:4",
+                               "--val_fraction", "0.1"])
+    splits = mid_train.build_data(args, mid_train.get_chat_tokenizer(), 1025)
+    # train: all 20 GSM8K rows, and 36 chats twice; val: 4 of GSM8K's test rows, and the 4 chats held out
+    assert splits["train"][2] == 20 + 36 * 2 and splits["val"][2] == 4 + 4
+    val_text = mid_train.get_chat_tokenizer().decode(splits["val"][0].flatten().tolist())
+    assert len(set(re.findall(r"May\? \((\d+)\)", val_text)) - {str(i) for i in range(20, 30)}) == 0
+    held_out = [line for line in capsys.readouterr().out.splitlines() if "held out" in line]  # said in a line
+    assert len(held_out) == 1 and "chat.jsonl held out, 4 conversations" in held_out[0], held_out

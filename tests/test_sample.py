@@ -1,8 +1,12 @@
+import io
+import subprocess
+import sys
+
 import torch
 
 import mid_train
 import sample
-from conftest import run
+from conftest import REPO, run
 from sample import GPT, GPTConfig, filter_logits, generate
 
 
@@ -95,3 +99,64 @@ def test_cpu_decoding_uses_one_thread_unless_omp_num_threads_is_set(base_ckpt):
     default = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     told = subprocess.run(cmd, cwd=REPO, env={**env, "OMP_NUM_THREADS": "2"}, capture_output=True, text=True)
     assert "cpu threads: 1 " in default.stderr and "cpu threads" not in told.stderr, (default.stderr, told.stderr)
+
+
+def test_calculator_evaluates_arithmetic_and_refuses_anything_else():
+    cases = {"48/2": "24", "12/60": "0.2", "1,000*3 - 2**10": "1976", "-(7 // 2) % 5": "2", "(1 + 2) * -3": "-9",
+             "'strawberry'.count('r')": "3"}  # the letter count SpellingBee teaches
+    assert {text: sample.calculate(text) for text in cases} == cases
+    for text in ["__import__('os').system('echo hacked')", "open('/etc/passwd').read()", "x + 1", "print(1)",
+                 "(lambda: 1)()", "[1] * 3", "'a' * 3", "abs(-1)", "2 if 1 else 3", "'ab'.count(__name__)",
+                 "9**9**9", "10**40", "1e999", "1/0", "(-8) ** 0.5", "1 +" * 100 + "1", ""]:
+        assert sample.calculate(text) is None, text  # parsed, never run: nothing but arithmetic, bounded
+
+
+def test_chat_runs_the_models_calculator_call_and_the_model_reads_on_from_its_result(monkeypatch, capsys):
+    enc = sample.get_chat_tokenizer()
+    inputs = []
+
+    def generate_from(ids, max_new_tokens):
+        """A stub model: it calls the calculator, then answers with the tool's output it reads."""
+        inputs.append(enc.decode(ids))
+        question = inputs[-1].rpartition("<|user_start|>")[2]
+        if inputs[-1].endswith("<|output_end|>"):
+            text = f"{inputs[-1].rpartition('<|output_start|>')[2][:-len('<|output_end|>')]} clips.<|assistant_end|>"
+        elif inputs[-1].endswith("<|python_end|>"):  # a call that got no output
+            text = " done.<|assistant_end|>"
+        elif "import" in question:  # a call of model text that is not arithmetic
+            text = "Let me see: <|python_start|>__import__('os').getcwd()<|python_end|>"
+        else:
+            text = "Half of 48 is <|python_start|>48/2<|python_end|>"
+        return (torch.tensor([[token]]) for token in enc.encode(text, allowed_special="all"))
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("How many is half of 48 clips?\nimport os please\n"))
+    sample.chat(enc, generate_from, 100)
+    out, err = capsys.readouterr()
+    call = "<|python_start|>48/2<|python_end|><|output_start|>24<|output_end|>"
+    assert f"assistant: Half of 48 is {call}24 clips.\n" in out
+    assert inputs[1].endswith(f"<|assistant_start|>Half of 48 is {call}")  # the model read the tool's output
+    # the second turn follows the first as the model wrote it; the refused call gets no output
+    assert inputs[2].endswith(f"{call}24 clips.<|assistant_end|><|user_start|>import os please<|user_end|>"
+                              f"<|assistant_start|>")
+    assert "assistant: Let me see: <|python_start|>__import__('os').getcwd()<|python_end|> done.\n" in out
+    assert len(inputs) == 4 and "<|output_start|>" not in inputs[3].rpartition("<|user_start|>")[2]
+    assert "not arithmetic" in err
+
+
+def test_a_checkpoint_made_before_the_calculators_tokens_loads_and_chats(tmp_path):
+    # A model that would write a calculator token whenever it could: every position's output is ones, and only
+    # the embeddings of the tokens after the 7 chat tokens of the older checkpoints are not zeros.
+    model = tiny_model()
+    old_tokens = sample.CHAT_TOKENS[:7]
+    with torch.no_grad():
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.fill_(1.0)
+        model.transformer.wte.weight.zero_()
+        model.transformer.wte.weight[50257 + len(old_tokens):].fill_(1.0)
+    torch.save({"model": model.state_dict(), "config": vars(model.config), "kind": "mid", "step": 10,
+                "chat_tokens": old_tokens}, tmp_path / "ckpt_0000010.pt")
+    chat = subprocess.run([sys.executable, "sample.py", "--ckpt", str(tmp_path), "--chat", "--temperature", "0",
+                           "--max_new_tokens", "5", "--device", "cpu"], input="What is 2+2?\n", cwd=REPO,
+                          capture_output=True, text=True)
+    assert chat.returncode == 0, chat.stderr
+    assert chat.stdout == "user: What is 2+2?\nassistant: !!!!!\n"  # token 0, never one it was not trained with
