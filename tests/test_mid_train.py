@@ -115,7 +115,7 @@ def test_step_loss_and_gradient_are_the_mean_over_every_target():
 def test_fsdp_with_fewer_val_rows_than_ranks_times_batch_matches_ddp_and_the_reference(base_ckpt, tmp_path):
     write_chat(tmp_path / "chat.jsonl", conversations(100))
     flags = [*MID, "--init_ckpt", base_ckpt, "--data", f"chat:{tmp_path / 'chat.jsonl'}", "--val_fraction", 0.05,
-             "--max_steps", 3, "--sample_len", 8]
+             "--max_steps", 3]
     ddp = torchrun("mid_train.py", *flags, "--out_dir", tmp_path / "ddp", timeout=180)
     assert "in 2 rows" in ddp.stdout  # 2 val rows for 2 ranks of micro-batch 4: before the padding, FSDP hung here
     torchrun("mid_train.py", *flags, "--out_dir", tmp_path / "fsdp", "--fsdp", timeout=180)

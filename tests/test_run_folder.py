@@ -39,7 +39,9 @@ def test_the_same_command_continues_the_run_and_a_changed_model_is_one_line(shar
     assert checkpoints(out) == ["ckpt_0000003.pt", "ckpt_0000006.pt", "ckpt_0000009.pt"]
     # another model, or fewer steps than the run has: one line, and the folder as it was
     log_before = (out / "log.jsonl").read_bytes()
-    for flags, words in ((["--n_layer", 3, "--max_steps", 12], "--n_layer 3"), (["--max_steps", 4], "below the step")):
+    changes = ((["--n_layer", 3, "--max_steps", 12], "--n_layer 3"), (["--max_steps", 4], "below the step"),
+               (["--data_dir", tmp_path, "--max_steps", 12], "--data_dir"))
+    for flags, words in changes:
         proc = run("train_gpt2.py", *command, *flags)
         assert proc.returncode == 2 and words in proc.stderr and "another --out_dir" in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
@@ -196,3 +198,34 @@ def test_a_run_goes_on_in_float16_from_a_float32_checkpoint(shards, tmp_path):
     run("train_gpt2.py", *command, "--max_steps", 2, check=True)
     proc = run("train_gpt2.py", *command, "--max_steps", 4, "--dtype", "float16", check=True)
     assert "at step 2" in proc.stdout and checkpoints(out)[-1] == "ckpt_0000004.pt"
+
+
+def test_hellaswag_in_the_loop_stops_at_a_stop_signal():
+    """The trainers ask should_stop (a collective) every 16 batches: a preempted job saves within seconds."""
+    import train_gpt2 as tg
+    torch.manual_seed(0)
+    model = tg.GPT(tg.GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=32))
+    examples = [(f"A man takes {i} eggs and", ["cracks them.", "flies.", "sings.", "paints."], i % 4) for i in range(300)]
+    asked = []
+
+    def should_stop():
+        asked.append(len(asked))
+        return len(asked) == 2
+    assert tg.evaluate_hellaswag(model, examples, tg.get_tokenizer(), "cpu", 8, should_stop=should_stop) is None
+    assert len(asked) == 2  # after 32 of the 38 batches
+
+
+def test_a_midtraining_step_with_nothing_to_learn_is_skipped(base_ckpt, tmp_path):
+    """Rows of a prompt alone (a long user turn, cropped) have no target: such a step neither logs a loss of 0 nor
+    moves the weights through the optimizer's momentum and decay."""
+    chat = tmp_path / "chat.jsonl"
+    with open(chat, "w") as f:
+        for i in range(30):
+            question = "Tell me about this. " * (40 if i % 2 else 1)
+            f.write(json.dumps({"messages": [{"role": "user", "content": question},
+                                             {"role": "assistant", "content": f"It is {i}."}]}) + "\n")
+    proc = run("mid_train.py", "--init_ckpt", base_ckpt, "--out_dir", tmp_path / "mid", "--data", f"chat:{chat}",
+               "--device", "cpu", "--dtype", "float32", "--compile", "off", "--micro_batch_size", 1,
+               "--num_samples", 0, "--val_fraction", 0.2, "--max_steps", 12, check=True)
+    assert "no token to learn in its rows: skipped" in proc.stdout
+    assert all(r["loss"] > 0 for r in read_log(tmp_path / "mid") if "loss" in r)
