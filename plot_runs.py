@@ -4,9 +4,9 @@ Loss curves of training runs from their log.jsonl, one PNG, and a table of each 
 One run:        python plot_runs.py out/demo                       # writes runs.png
 Compare runs:   python plot_runs.py out/base out/variant --out compare.png
 
-A run is the --out_dir of train_gpt2.py or mid_train.py, still running or done, resumed or not. For two runs or
-more the table is followed by the flags in which they differ. Works offline and without a display; the picture
-needs matplotlib (pip install matplotlib), the table only Python.
+A run is the --out_dir of train_gpt2.py or mid_train.py, still running or done, resumed or not. For two
+runs or more the table is followed by the flags in which they differ. Works offline and without a display;
+the picture needs matplotlib (pip install matplotlib), the table only Python.
 """
 
 import argparse
@@ -16,10 +16,10 @@ import os
 import statistics
 import sys
 
-# OpenAI's GPT-2 124M as build-nanogpt compares its runs with it. Val loss 3.2924 on FineWeb-Edu sample-10BT's
-# val shard: build-nanogpt's play.ipynb (loss_baseline). HellaSwag acc_norm 0.2955, completion style on the
-# 10,042 val examples as hellaswag.py scores them: build-nanogpt's hellaswag.py docstring (its notebook draws
-# 0.2945).
+# OpenAI's GPT-2 124M as build-nanogpt compares its runs with it. Val loss 3.2924 on FineWeb-Edu
+# sample-10BT's val shard: build-nanogpt's play.ipynb (loss_baseline). HellaSwag acc_norm 0.2955, completion
+# style on the 10,042 val examples as hellaswag.py scores them: build-nanogpt's hellaswag.py docstring (its
+# notebook draws 0.2945).
 GPT2_VAL_LOSS = 3.2924
 GPT2_HELLASWAG = 0.2955
 # what prepare_fineweb.py writes into its manifest.json for its default data, FineWeb-Edu sample-10BT
@@ -75,8 +75,8 @@ def read_run(run_dir):
 
 
 def read_log(lines):
-    """The records of a log.jsonl by metric, {metric: {step: record}}, and the run's flags where a record holds
-    them (else None). The records of a resumed run that are past its checkpoint are dropped."""
+    """The records of a log.jsonl by metric, {metric: {step: record}}, and the run's flags where a record
+    holds them (else None). The records of a resumed run that are past its checkpoint are dropped."""
     series = {metric: {} for metric in METRICS}
     flags, last_step = None, -1
     for line in lines:
@@ -92,8 +92,9 @@ def read_log(lines):
         step = record.get("step")
         if not isinstance(step, int):
             continue
-        # A step lower than the one before: the run was resumed from its checkpoint at that step and did the
-        # steps after it again. The trainers cut those records on resume; a log that kept them is read the same.
+        # A step lower than the one before: the run was resumed from its checkpoint at that step and did
+        # the steps after it again. The trainers cut those records on resume; a log that kept them reads the
+        # same.
         if step < last_step:
             for by_step in series.values():
                 for dropped in [s for s in by_step if s >= step]:
@@ -106,7 +107,7 @@ def read_log(lines):
 
 
 def checkpoint_flags(run_dir):
-    """The flags saved in the run's newest readable checkpoint, for a log that does not hold them; {} if none."""
+    """The flags in the run's newest readable checkpoint, for a log that does not hold them; {} if none."""
     for path in sorted(glob.glob(os.path.join(run_dir, "ckpt_*.pt")), reverse=True):
         try:
             import torch
@@ -122,7 +123,8 @@ def tokens_at(run, metric):
     step s comes before step s trains, so it has seen s steps' tokens."""
     train = run["series"]["loss"]
     tokens_per_step = next((r["tokens"] / (s + 1) for s, r in train.items() if "tokens" in r), 0)
-    return [(r.get("tokens", step * tokens_per_step), r[metric]) for step, r in sorted(run["series"][metric].items())]
+    points = sorted(run["series"][metric].items())
+    return [(r.get("tokens", step * tokens_per_step), r[metric]) for step, r in points]
 
 
 # -----------------------------------------------------------------------------
@@ -147,7 +149,8 @@ def run_figures(run):
         seconds = sum(r.get("ms", 0) / 1000 * (s - prev) for (s, r), prev in zip(train, [-1] + steps))
         wall_time = f"~{seconds / 60:.1f} min" if train else "-"
     return [run["name"], f"{val[-1]:.4f}" if val else "-", f"{min(val):.4f}" if val else "-",
-            f"{hellaswag[-1]:.4f}" if hellaswag else "-", f"{train[-1][1].get('tokens', 0):,}" if train else "-",
+            f"{hellaswag[-1]:.4f}" if hellaswag else "-",
+            f"{train[-1][1].get('tokens', 0):,}" if train else "-",
             wall_time, f"{statistics.median(tok_per_s):,.0f}" if tok_per_s else "-",
             f"{statistics.median(mfu) * 100:.1f}%" if mfu else "-"]
 
@@ -165,7 +168,7 @@ def print_differences(runs):
     """The flags in which the runs differ, a row each, and a note where they read different data or seeds."""
     for run in runs:
         if not run["flags"]:
-            print(f"{run['name']}: no flags in its log.jsonl nor a checkpoint to read them from; not compared")
+            print(f"{run['name']}: no flags in its log.jsonl, nor a checkpoint to read them from")
     known = [run for run in runs if run["flags"]]
     names = sorted({name for run in known for name in run["flags"]} - set(NOT_COMPARED))
     differing = [name for name in names if len({repr(run["flags"].get(name)) for run in known}) > 1]
@@ -179,15 +182,16 @@ def print_differences(runs):
                [[name] + [str(run["flags"].get(name, "-")) for run in known] for name in differing])
     data_differs = [name for name in differing if name in DATA_FLAGS]
     if data_differs:
-        print(f"note: the runs read different data or seeds ({', '.join(data_differs)}): their losses differ by "
-              f"that too, not by the other flags alone")
+        print(f"note: the runs read different data or seeds ({', '.join(data_differs)}): their losses "
+              f"differ by that too, not by the other flags alone")
 
 
 def print_rows(rows):
     """Rows of strings as columns, the first left-aligned, the rest right-aligned."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
-        print("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
+        cells = [cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))]
+        print("  ".join(cells))
 
 
 # -----------------------------------------------------------------------------
@@ -195,9 +199,10 @@ def print_rows(rows):
 
 
 def gpt2_val_applies(flags):
-    """Whether GPT-2 124M's val loss compares with the run's: a pretraining run whose val shard is FineWeb-Edu
-    sample-10BT's, by GPT-2's tokenizer (prepare_fineweb.py's only one), by its manifest.json (where the data is
-    not on this machine, by prepare_fineweb.py's default folder name), read in GPT-2's context of 1024 tokens."""
+    """Whether GPT-2 124M's val loss compares with the run's: a pretraining run whose val shard is
+    FineWeb-Edu sample-10BT's in GPT-2's tokens (prepare_fineweb.py's only tokenizer), by the data's
+    manifest.json (where the data is not on this machine, by prepare_fineweb.py's default folder name),
+    read in GPT-2's context of 1024 tokens."""
     data_dir = flags.get("data_dir")
     if not data_dir or flags.get("seq_len") != 1024:
         return False
@@ -242,13 +247,15 @@ def plot(runs, out, smooth):
         if hellaswag := tokens_at(run, "hellaswag_acc_norm"):
             axes[0][1].plot(*zip(*hellaswag), "o-", color=color, markersize=4, label=run["name"])
     if any(gpt2_val_applies(run["flags"]) for run in runs):
-        loss_ax.axhline(GPT2_VAL_LOSS, color="gray", linestyle=":", label=f"OpenAI GPT-2 124M val {GPT2_VAL_LOSS}")
+        loss_ax.axhline(GPT2_VAL_LOSS, color="gray", linestyle=":",
+                        label=f"OpenAI GPT-2 124M val {GPT2_VAL_LOSS}")
     # a log scale, as build-nanogpt's: the late, small gains stay visible beside the early drop
     loss_ax.set(yscale="log", title="loss", xlabel="tokens", ylabel="loss (nats per token)")
     for axis_formatter in (loss_ax.yaxis.set_major_formatter, loss_ax.yaxis.set_minor_formatter):
         axis_formatter(FormatStrFormatter("%g"))
     if with_hellaswag:
-        axes[0][1].axhline(GPT2_HELLASWAG, color="gray", linestyle=":", label=f"OpenAI GPT-2 124M {GPT2_HELLASWAG}")
+        axes[0][1].axhline(GPT2_HELLASWAG, color="gray", linestyle=":",
+                           label=f"OpenAI GPT-2 124M {GPT2_HELLASWAG}")
         axes[0][1].set(title="HellaSwag", xlabel="tokens", ylabel="acc_norm")
     for ax in axes[0]:
         ax.xaxis.set_major_formatter(EngFormatter())

@@ -1,5 +1,6 @@
-"""plot_runs.py: the series it reads from a log (a resumed run's, a half-written last line, a midtraining run's),
-the table's figures, the flags two runs differ in, the PNG, and its one error line without matplotlib."""
+"""plot_runs.py: the series it reads from a log (a resumed run's, a half-written last line, a midtraining
+run's), the table's figures, the flags two runs differ in, the PNG, and its one error line without
+matplotlib."""
 
 import json
 import subprocess
@@ -27,15 +28,20 @@ def series_steps(series):
 
 
 def test_a_resumed_run_keeps_only_what_its_checkpoint_saw(tmp_path):
-    # Killed at step 12, resumed from its checkpoint at step 5 and still running at step 9: the trainers cut the
-    # log's records from step 5 on, and a log that kept them (the resumed steps follow them) reads the same.
-    before = [{"step": 0, "val_loss": 11.0}] + [train(s, 10.0 - s) for s in range(5)] + [{"step": 5, "val_loss": 6.0}]
-    killed = [train(s, 5.0) for s in range(5, 10)] + [{"step": 10, "val_loss": 5.0}] + [train(s, 4.0) for s in (10, 11)]
+    # Killed at step 12, resumed from its checkpoint at step 5 and still running at step 9: the trainers cut
+    # the log's records from step 5 on, and a log that kept them (the resumed steps follow them) reads the
+    # same.
+    before = [{"step": 0, "val_loss": 11.0}, *[train(s, 10.0 - s) for s in range(5)],
+              {"step": 5, "val_loss": 6.0}]
+    killed = [*[train(s, 5.0) for s in range(5, 10)], {"step": 10, "val_loss": 5.0}, train(10, 4.0),
+              train(11, 4.0)]
     resumed = [{"step": 5, "val_loss": 5.5}] + [train(s, 9.0 - s / 2) for s in range(5, 10)]
     for name, records in [("cut", before[:-1] + resumed), ("kept", before + killed + resumed)]:
         run = plot_runs.read_run(write_log(tmp_path / name, records))
-        assert series_steps(run["series"]) == {"loss": list(range(10)), "val_loss": [0, 5], "hellaswag_acc_norm": []}
-        assert plot_runs.tokens_at(run, "loss")[5:] == [(600, 6.5), (700, 6.0), (800, 5.5), (900, 5.0), (1000, 4.5)]
+        assert series_steps(run["series"]) == {"loss": list(range(10)), "val_loss": [0, 5],
+                                               "hellaswag_acc_norm": []}
+        assert plot_runs.tokens_at(run, "loss")[5:] == [(600, 6.5), (700, 6.0), (800, 5.5), (900, 5.0),
+                                                        (1000, 4.5)]
         assert plot_runs.tokens_at(run, "val_loss") == [(0, 11.0), (500, 5.5)]
 
 
@@ -64,10 +70,11 @@ def test_the_table_and_the_flags_that_differ(tmp_path, capsys):
              train(0, 10.0, mfu=0.30), {"step": 1, "val_loss": 9.0}, {"step": 1, "hellaswag_acc_norm": 0.25},
              train(1, 9.5, mfu=0.40), train(3, 9.0, mfu=0.50), {"step": 4, "val_loss": 9.5}]
     log_b = [{"flags": {"lr": 1e-3, "seed": 2, "out_dir": "b"}}, train(0, 10.0)]
-    runs = [plot_runs.read_run(write_log(tmp_path / name, log)) for name, log in [("a", log_a), ("b", log_b)]]
-    # last and best val, HellaSwag, tokens, the step times summed (step 3 stands for steps 2 and 3), median tok/s
-    # (of 200, 201, 203) and MFU
-    assert plot_runs.run_figures(runs[0])[1:] == ["9.5000", "9.0000", "0.2500", "400", "~2.0 min", "201", "40.0%"]
+    runs = [plot_runs.read_run(write_log(tmp_path / n, log)) for n, log in (("a", log_a), ("b", log_b))]
+    # last and best val, HellaSwag, tokens, the step times summed (step 3 stands for steps 2 and 3), median
+    # tok/s (of 200, 201, 203) and MFU
+    figures = ["9.5000", "9.0000", "0.2500", "400", "~2.0 min", "201", "40.0%"]
+    assert plot_runs.run_figures(runs[0])[1:] == figures
     assert plot_runs.run_figures(runs[1])[1:] == ["-", "-", "-", "100", "~0.5 min", "200", "-"]
     plot_runs.print_differences(runs)
     out = capsys.readouterr().out.splitlines()
@@ -101,7 +108,8 @@ def test_a_real_run_and_a_synthetic_one_in_one_png(base_ckpt, tmp_path):
     last_val = [r["val_loss"] for r in read_log(base_ckpt) if "val_loss" in r][-1]
     row = next(line for line in proc.stdout.splitlines() if line.startswith(base_ckpt)).split()
     assert row[1] == f"{last_val:.4f}" and row[4] == "7,680", proc.stdout
-    assert [line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("lr ")] == [["0.003", "0.001"]]
+    lr_rows = [line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("lr ")]
+    assert lr_rows == [["0.003", "0.001"]], proc.stdout
     # loss and HellaSwag side by side: 12 x 4.5 inches at 80 dpi
     assert matplotlib_image.imread(png).shape == (360, 960, 4)
 
@@ -109,8 +117,9 @@ def test_a_real_run_and_a_synthetic_one_in_one_png(base_ckpt, tmp_path):
 def test_without_matplotlib_the_table_then_one_error_line(tmp_path):
     run_dir = write_log(tmp_path / "run", [train(0, 10.0)])
     # an import of matplotlib fails as where it is not installed
-    code = (f"import sys, runpy; sys.modules['matplotlib'] = None; sys.argv = ['plot_runs.py', {run_dir!r}]; "
-            f"runpy.run_path({REPO + '/plot_runs.py'!r}, run_name='__main__')")
+    code = (f"import sys, runpy; sys.modules['matplotlib'] = None; "
+            f"sys.argv = ['plot_runs.py', {run_dir!r}]; runpy.run_path({REPO + '/plot_runs.py'!r}, "
+            f"run_name='__main__')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and run_dir in proc.stdout
     assert proc.stderr.splitlines() == ["error: the picture needs matplotlib, which is not installed: "
