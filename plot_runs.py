@@ -170,10 +170,10 @@ def print_differences(runs):
         if not run["flags"]:
             print(f"{run['name']}: no flags in its log.jsonl, nor a checkpoint to read them from")
     known = [run for run in runs if run["flags"]]
-    names = sorted({name for run in known for name in run["flags"]} - set(NOT_COMPARED))
-    differing = [name for name in names if len({repr(run["flags"].get(name)) for run in known}) > 1]
     if len(known) < 2:
         return
+    names = sorted({name for run in known for name in run["flags"]} - set(NOT_COMPARED))
+    differing = [name for name in names if len({repr(run["flags"].get(name)) for run in known}) > 1]
     if not differing:
         print("the runs' flags are the same (but --out_dir)")
         return
