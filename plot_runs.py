@@ -25,7 +25,8 @@ GPT2_HELLASWAG = 0.2955
 # what prepare_fineweb.py writes into its manifest.json for its default data, FineWeb-Edu sample-10BT
 FINEWEB_EDU_SOURCE = "hub: HuggingFaceFW/fineweb-edu sample-10BT"
 METRICS = ("loss", "val_loss", "hellaswag_acc_norm")
-NOT_COMPARED = ("out_dir", "resume")  # flags in which two runs of one experiment differ
+# flags in which two runs of one experiment differ anyway
+NOT_COMPARED = ("out_dir", "resume", "resume_checkpoint", "run", "dry_run")
 DATA_FLAGS = ("data_dir", "data", "val_fraction", "seed")  # flags that change what a run reads
 
 

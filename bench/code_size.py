@@ -13,7 +13,8 @@ import sys
 import tokenize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = ["train_gpt2.py", "mid_train.py", "hellaswag.py", "sample.py", "export_hf.py", "prepare_fineweb.py"]
+SCRIPTS = ["train_gpt2.py", "mid_train.py", "hellaswag.py", "sample.py", "export_hf.py", "prepare_fineweb.py",
+           "plot_runs.py"]
 LAYOUT = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER,
           tokenize.ENCODING}
 

@@ -19,7 +19,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORD = os.path.join(ROOT, "tests", "shared_blocks.json")
-SCRIPTS = ["train_gpt2.py", "mid_train.py", "sample.py", "hellaswag.py", "prepare_fineweb.py", "export_hf.py"]
+SCRIPTS = ["train_gpt2.py", "mid_train.py", "sample.py", "hellaswag.py", "prepare_fineweb.py", "export_hf.py",
+           "plot_runs.py"]
 BLOCK = re.compile(r"^# ---- shared: (\w+) ----\n(.*?)^# ---- end shared: \1 ----$", re.S | re.M)
 
 
