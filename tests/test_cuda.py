@@ -76,7 +76,7 @@ def test_sampling_and_hellaswag_run_in_the_loop_under_compile(gpu_runs):
 
 def test_fused_adamw_on_cuda():
     from train_gpt2 import GPT, GPTConfig, get_args, setup_training
-    args = get_args(["--device", "cuda", "--dtype", "bfloat16", "--compile", "off"])
+    args = get_args(["--device", "cuda", "--dtype", "bfloat16", "--compile", "off", "--out_dir", os.devnull])
     model = GPT(GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=64)).to("cuda")
     _, optimizers, _, _ = setup_training(model, args, torch.bfloat16, "cuda")
     assert optimizers[0].defaults["fused"] is True

@@ -70,7 +70,8 @@ def test_packing_invariants():
 
 def test_epochs_repeat_each_conversation(tmp_path):
     write_chat(tmp_path / "a.jsonl", conversations(50))
-    args = mid_train.get_args(["--init_from", "gpt2", "--data", f"chat:{tmp_path / 'a.jsonl'}:3", "--val_fraction", "0.1"])
+    args = mid_train.get_args(["--init_from", "gpt2", "--data", f"chat:{tmp_path / 'a.jsonl'}:3",
+                               "--val_fraction", "0.1", "--out_dir", str(tmp_path / "run")])
     splits = mid_train.build_data(args, mid_train.get_chat_tokenizer(), 65)
     assert splits["train"][2] == 45 * 3 and splits["val"][2] == 5
 
@@ -79,7 +80,8 @@ def test_each_epoch_is_packed_on_its_own_into_compact_arrays(tmp_path):
     convs = [[{"role": "user", "content": f"Tell me about number {i}."},
               {"role": "assistant", "content": f"{i} is a number" + " and a fine one" * (i % 5)}] for i in range(100)]
     write_chat(tmp_path / "a.jsonl", convs)
-    args = mid_train.get_args(["--init_from", "gpt2", "--data", f"chat:{tmp_path / 'a.jsonl'}:2",
+    args = mid_train.get_args(["--init_from", "gpt2", "--out_dir", str(tmp_path / "run"),
+                               "--data", f"chat:{tmp_path / 'a.jsonl'}:2",
                                "--val_fraction", "0.1"])
     enc = mid_train.get_chat_tokenizer()
     tokens, mask, count, cropped = mid_train.build_data(args, enc, 65)["train"]
@@ -125,7 +127,7 @@ def test_fsdp_with_fewer_val_rows_than_ranks_times_batch_matches_ddp_and_the_ref
     assert sorted(val_b) == [0, 3] and all(abs(val_a[s] - val_b[s]) < 1e-4 for s in val_a), (val_a, val_b)
 
     # step 0's train loss (8 rows, 4 on each rank) and val loss: the mean over every learned token, from the model
-    args = mid_train.get_args(list(map(str, flags)))
+    args = mid_train.get_args(list(map(str, [*flags, "--out_dir", tmp_path / "run"])))
     splits = mid_train.build_data(args, mid_train.get_chat_tokenizer(), 65)
     model = mid_train.model_from_checkpoint(mid_train.load_checkpoint(base_ckpt)[0])
     for (tokens, mask, _, _), logged in ((splits["train"], a[0]), (splits["val"], val_a[0])):
@@ -244,7 +246,8 @@ def test_spelling_tasks_are_nanochats_rows_generated_from_a_word_list_the_same_f
     assert mask[ids.index(enc.encode_single_token("<|output_start|>"))] == 0
     # in --data their sizes are rows; generated, they hold nothing out for val
     write_chat(tmp_path / "chat.jsonl", conversations(20))
-    args = mid_train.get_args(["--init_from", "gpt2", "--data", f"chat:{tmp_path / 'chat.jsonl'}",
+    args = mid_train.get_args(["--init_from", "gpt2", "--out_dir", str(tmp_path / "run"),
+                               "--data", f"chat:{tmp_path / 'chat.jsonl'}",
                                f"simplespelling:{tmp_path / 'words.txt'}:30", f"spellingbee:{tmp_path / 'words.txt'}:12",
                                "--val_fraction", "0.1"])
     splits = mid_train.build_data(args, enc, 1025)
@@ -256,7 +259,8 @@ def test_val_is_the_test_splits_and_only_a_kind_without_one_holds_out(tmp_path, 
     rows = [dict(GSM8K_ROW, question=f"{GSM8K_ROW['question']} ({i})") for i in range(30)]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:20]))
     (tmp_path / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[20:]))
-    args = mid_train.get_args(["--init_from", "gpt2", "--data", f"chat:{tmp_path / 'chat.jsonl'}:2",
+    args = mid_train.get_args(["--init_from", "gpt2", "--out_dir", str(tmp_path / "run"),
+                               "--data", f"chat:{tmp_path / 'chat.jsonl'}:2",
                                f"gsm8k:{tmp_path / 'train.jsonl'}", "--val_data", f"gsm8k:{tmp_path / 'test.jsonl'}:4",
                                "--val_fraction", "0.1"])
     splits = mid_train.build_data(args, mid_train.get_chat_tokenizer(), 1025)

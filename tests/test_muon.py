@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -50,7 +52,8 @@ def test_muon_trains_resumes_exactly_and_ddp_matches(shards, tmp_path):
 def tiny_model_and_optimizers(get_args, argv):
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=16, vocab_size=128, n_layer=1, n_head=2, n_embd=64))
-    return model, make_optimizers(model, get_args(argv), "cpu")
+    # no run folder to continue: an out_dir that holds none
+    return model, make_optimizers(model, get_args([*argv, "--out_dir", os.devnull]), "cpu")
 
 
 def test_muon_orthogonalizes_q_k_v_as_three_blocks():
@@ -100,7 +103,7 @@ def test_a_groups_own_learning_rate_survives_the_schedule():
     which scales each group's own peak."""
     model, (adamw, muon) = tiny_model_and_optimizers(train_gpt2.get_args, ["--optimizer", "muon"])
     adamw.param_groups[0]["lr"] *= 10  # as built with lr=args.lr * 10
-    args = train_gpt2.get_args(["--optimizer", "muon", "--warmup_steps", "10"])
+    args = train_gpt2.get_args(["--optimizer", "muon", "--warmup_steps", "10", "--out_dir", os.devnull])
     for step in range(4):
         train_gpt2.set_schedule([adamw, muon], train_gpt2.lr_multiplier(step, args), step, args)
     assert adamw.param_groups[0]["lr"] == pytest.approx(10 * args.lr * 0.4)

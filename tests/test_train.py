@@ -297,7 +297,8 @@ def test_resume_takes_the_checkpoints_flags_and_new_ones_that_are_given(shards, 
     log = {r["step"]: r for r in read_log(tmp_path / "new_lr") if "loss" in r}
     assert sorted(log) == [2, 3, 4] and log[3]["loss"] != straight[3]  # trained with the new lr
     from train_gpt2 import get_args, lr_multiplier
-    args = get_args(["--lr", "1e-3", "--max_steps", "5", "--warmup_steps", "2"])
+    args = get_args(["--lr", "1e-3", "--max_steps", "5", "--warmup_steps", "2",
+                     "--out_dir", str(tmp_path / "new")])
     assert all(abs(log[s]["lr"] - 1e-3 * lr_multiplier(s, args)) < 1e-12 for s in log)
     for given, expect in ((["--n_embd", 64], "--n_embd 64: the checkpoint"), (["--optimizer", "muon"], "--optimizer muon")):
         proc = resume(f"bad{given[0]}", *given)
