@@ -149,7 +149,7 @@ def get_args(argv=None):
     p.add_argument("--peak_flops", type=positive_float,
                    help="device peak FLOP/s for MFU (known GPUs are detected)")
     p.add_argument("--wandb_project", help="log to this wandb project (WANDB_MODE=offline works)")
-    p.add_argument("--run", help="the run's name: wandb's name for it, and out/RUN when --out_dir is not given")
+    p.add_argument("--run", type=run_name, help="the run's name: wandb's name for it, and out/RUN when --out_dir is not given")
     p.add_argument("--dry_run", action="store_true",
                    help="train and evaluate as given, but write nothing: no checkpoint, log or summary")
     p.add_argument("--demo", action="store_true",
@@ -791,6 +791,13 @@ def autocast_context(device_type, dtype):
 
 
 # ---- shared: setup ----
+def run_name(text):
+    """An argparse type: --run names a folder in out/, so it is one plain folder name."""
+    if not text or os.sep in text or text in (".", ".."):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a folder name: give a name without '{os.sep}'")
+    return text
+
+
 def micro_batch_advice(B, T, total_batch_size):
     """The out-of-memory line's advice in the trainers: the micro-batch that failed, and what to lower."""
     return (f"the micro-batch is --micro_batch_size {B} x --seq_len {T}; lower --micro_batch_size (gradient "
