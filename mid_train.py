@@ -831,8 +831,10 @@ def main(argv=None):
         die(f"--total_batch_size {total_batch_size} is not divisible by micro_batch_size * seq_len * "
             f"world_size = {B} * {T} * {world_size}; change --total_batch_size or --micro_batch_size")
     set_memory_advice(micro_batch_advice(B, T, total_batch_size))  # for the out-of-memory line
-    # saved as resolved: a resumed run with another micro-batch or number of ranks keeps the tokens per step
+    # saved as resolved: a resumed run with another micro-batch or number of ranks keeps the tokens per step,
+    # and the log's flags record says the sequence length trained at
     args.total_batch_size = total_batch_size
+    args.seq_len = T
 
     # ---- the data: conversations rendered and packed into rows of T + 1 tokens
     splits = build_data(args, enc, T + 1)

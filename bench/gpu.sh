@@ -17,10 +17,13 @@
 #                                # minutes of device time: test_cuda.py, ours against the peer at micro-batch 64,
 #                                # the largest micro-batch in 24 GiB, a run with default flags under torchrun, an
 #                                # exact resume, HellaSwag; each step capped so that the whole ends in time
+#   bash bench/gpu.sh --part next   # one call of 9 minutes for what the quick part left: where the time goes at
+#                                # micro-batches 64 and 32 (bench/gpu_profile.py), ours against the peer at 32, a
+#                                # small base model then a short mid_train.py run; each step capped
 #   bash bench/gpu.sh --dry_run  # anywhere (CPU): every part with tiny models and few steps, on a GPU machine
 #                                # faked by tests/fake_cuda, so that the scripts take their CUDA path
 #
-# Options: --bundle DIR (default .gpu_bundle), --part 1|2|3|4|quick (default: all four in order), --dry_run.
+# Options: --bundle DIR (default .gpu_bundle), --part 1|2|3|4|quick|next (default: all four in order), --dry_run.
 # A step that fails is marked FAIL and the part goes on; the exit status is 1 if any step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,7 +39,7 @@ while (($#)); do
         *) die "unknown argument '$1'; usage: bash bench/gpu.sh [--bundle DIR] [--part 1|2|3|4] [--dry_run]" ;;
     esac
 done
-case $parts in 1 | 2 | 3 | 4 | quick | "1 2 3 4") ;; *) die "--part $parts: give 1, 2, 3, 4 or quick" ;; esac
+case $parts in 1 | 2 | 3 | 4 | quick | next | "1 2 3 4") ;; *) die "--part $parts: give 1, 2, 3, 4, quick or next" ;; esac
 compgen -G "$bundle/wheels/*.whl" >/dev/null || die "no wheels in $bundle/wheels: run bash bench/gpu_bundle.sh $bundle first"
 
 # The packages the GPU machine lacks, as its README installs them: no index (no internet there), no deps (the bundle
@@ -197,6 +200,34 @@ partquick() {  # one device call: each step gets at most its share of what is le
     ((end - SECONDS > 150)) && step resume_exact resume_exact
     capped 60; ((end - SECONDS > 30)) && step hellaswag_defaults python3 hellaswag.py --ckpt out/gpu/torchrun \
         --data_file "$hellaswag"
+    cap=()
+}
+
+partnext() {  # one device call after partquick: each step gets at most its share of what is left of 520 s
+    local end=$((SECONDS + 520))
+    capped() { cap=(timeout -k 5 $(($1 < end - SECONDS ? $1 : end - SECONDS))); }
+    make_shards >"$results/shards.log" 2>&1 &  # on the CPU, while the GPU profiles
+    local shards_made=$!
+    local profile=(--out_dir "$results")
+    [[ $dry ]] && profile+=(--dry_run --warmup_steps 1 --timed_steps 1 --profiled_steps 1)
+    capped 120; step profile_B64 python3 bench/gpu_profile.py --micro_batch_size 64 "${profile[@]}"
+    capped 100; step profile_B32 python3 bench/gpu_profile.py --micro_batch_size 32 "${profile[@]}"
+    local size=(--micro_batches 32 --steps 15)
+    [[ $dry ]] && size=(--dry_run --micro_batches 16)
+    capped 170; step gpu_vs_peer_B32 python3 bench/gpu_vs_peer.py --peer "$bundle/peer/train_gpt2.py" \
+        --work_dir out/gpu/peer "${size[@]}"
+    wait $shards_made; cat "$results/shards.log" >>"$log"
+    local base=(--max_steps 300 --eval_every 300) mid=(--max_steps 200 --eval_every 100)
+    if [[ $dry ]]; then
+        base=(--max_steps 4 --eval_every 4)
+        mid=(--max_steps 4 --eval_every 2 --micro_batch_size 4 --compile off --dtype float32)
+    fi
+    rm -rf out/gpu/base out/gpu/mid
+    capped 60; step base python3 train_gpt2.py "${small[@]}" --data_dir "$shards" --out_dir out/gpu/base \
+        "${base[@]}" --num_samples 0
+    capped 90; step mid_train python3 mid_train.py --init_ckpt out/gpu/base --out_dir out/gpu/mid "${mid[@]}" \
+        --data "chat:$bundle/mid/identity_conversations.jsonl" "gsm8k:$bundle/mid/train.jsonl" \
+        "mmlu:$bundle/mid/mmlu_dev"
     cap=()
 }
 

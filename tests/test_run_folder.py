@@ -173,6 +173,8 @@ def test_a_folder_of_the_other_script_or_its_own_start_is_refused(base_ckpt, tmp
                "--max_steps", 3, check=True)
     tokens = [r["tokens"] for r in read_log(mid) if "loss" in r]
     assert tokens[1] - tokens[0] == tokens[2] - tokens[1] == 4 * 64, tokens
+    # each launch's flags record says the seq_len it trained at (the model's context when not given)
+    assert [r["flags"]["seq_len"] for r in read_log(mid) if "flags" in r] == [64, 64]
 
 
 def test_a_dry_run_writes_nothing_and_flags_that_do_nothing_are_refused(shards, tmp_path):

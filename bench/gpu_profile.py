@@ -1,0 +1,142 @@
+"""
+Where the GPU's time goes in a training step of GPT-2 124M (issue 46: 43.8% MFU on an H200, the target 55%). The
+model, AdamW, bf16 autocast, torch.compile and train_step are train_gpt2.py's own, at seq 1024 and 524,288 tokens a
+step, on random tokens (speed does not depend on what they say). After the warm-up, some steps are timed plainly
+(tok/s and MFU, as train_gpt2.py computes them), then some under torch.profiler. Prints the kernels that take the
+most GPU time, the share of each kind (matmuls, attention, the loss, Triton's fused elementwise and norm kernels,
+the optimizer, copies), and how much of the wall time the GPU was idle; writes the profile as a gzipped Chrome
+trace (open it in https://ui.perfetto.dev) and the figures as JSON.
+
+    python bench/gpu_profile.py --out_dir out/gpu/profile                     # on a GPU: micro-batch 64
+    python bench/gpu_profile.py --out_dir out/gpu/profile --micro_batch_size 32
+    python bench/gpu_profile.py --dry_run      # a tiny model, to check the paths (the CPU's ops, not kernels)
+"""
+
+import argparse
+import gzip
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+import train_gpt2 as tg  # noqa: E402
+
+# The kind of a kernel, by the first pattern found in its lower-cased name, in this order: the loss's fused
+# kernels are Triton's too, and cuBLAS names its kernels after the architecture (sm90_xmma_gemm..., nvjet_...).
+KINDS = [
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("loss (softmax, cross-entropy)", ("log_softmax", "nll_loss", "cross_entropy")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "matmul", "aten::mm", "aten::addmm", "aten::bmm")),
+    ("optimizer", ("adam", "multi_tensor", "foreach", "norm_2")),
+    ("fused elementwise and norms (Triton)", ("triton",)),
+    ("copies and fills", ("memcpy", "memset", "copy", "fill")),
+    ("communication", ("nccl", "allreduce")),
+]
+
+
+def kind_of(name):
+    name = name.lower()
+    for kind, patterns in KINDS:
+        if any(pattern in name for pattern in patterns):
+            return kind
+    return "other"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--micro_batch_size", type=int, default=64)
+    p.add_argument("--warmup_steps", type=int, default=4, help="untimed: compilation, the allocator's warm-up")
+    p.add_argument("--timed_steps", type=int, default=4, help="timed without the profiler")
+    p.add_argument("--profiled_steps", type=int, default=2)
+    p.add_argument("--out_dir", default=os.path.join(REPO, "out", "gpu-profile"), help="trace and figures")
+    p.add_argument("--dry_run", action="store_true", help="a tiny model at seq 64; the CPU's ops profiled")
+    args = p.parse_args()
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.dry_run:
+        sys.exit("error: this needs a CUDA GPU (--dry_run runs a tiny model anywhere)")
+    device = "cuda" if cuda else "cpu"
+    B = args.micro_batch_size
+    T, total = (64, 2 * B * 64) if args.dry_run else (1024, 524288)
+    if total % (B * T):
+        sys.exit(f"error: 524,288 tokens a step is not a whole number of micro-batches of {B} x {T}")
+    size = dict(n_layer=2, n_head=2, n_embd=64) if args.dry_run else tg.MODEL_SIZES["gpt2"]
+    compile_flag = "on" if cuda else "off"  # train_gpt2.py's auto
+    run_dir = tempfile.mkdtemp()  # get_args's out_dir: a new run, nothing of it kept
+    train_args = tg.get_args(["--device", device, "--dtype", "bfloat16", "--compile", compile_flag,
+                              "--out_dir", run_dir])
+    shutil.rmtree(run_dir)
+    torch.manual_seed(0)
+    raw_model = tg.GPT(tg.GPTConfig(block_size=T, **size)).to(device)
+    model, optimizers, scaler, autocast_ctx = tg.setup_training(raw_model, train_args, torch.bfloat16, device)
+    flops_per_token = tg.flops_per_token(raw_model, T)
+    peak_flops = tg.PEAK_BF16_FLOPS.get(torch.cuda.get_device_name()) if cuda else None
+    x = torch.randint(0, 50257, (B, T), device=device)
+    y = torch.roll(x, -1, 1)
+    grad_accum_steps = total // (B * T)
+
+    def steps(n):
+        """n training steps; their seconds, waited for."""
+        start = time.perf_counter()
+        for _ in range(n):
+            tg.train_step(model, optimizers, scaler, lambda: (x, y), grad_accum_steps, total, 1.0, autocast_ctx)
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    name = torch.cuda.get_device_name() if cuda else "CPU (dry run)"
+    print(f"{name}: GPT-2 {'tiny' if args.dry_run else '124M'}, seq {T}, micro-batch {B} x {grad_accum_steps} "
+          f"micro-steps, bf16, compile {compile_flag}; warm-up (compiles)", flush=True)
+    steps(args.warmup_steps)
+    seconds = steps(args.timed_steps)
+    tok_per_s = args.timed_steps * total / seconds
+    mfu = flops_per_token * tok_per_s / peak_flops if peak_flops else None
+    print(f"timed: {1000 * seconds / args.timed_steps:.1f} ms a step, {tok_per_s:,.0f} tok/s"
+          + (f", MFU {100 * mfu:.1f}%" if mfu else ""), flush=True)
+
+    # The GPU's kernels (the CPU's ops also carry the time of the kernels they launch); a dry run, the CPU's ops.
+    kernels = cuda and not args.dry_run
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if kernels else [])
+    with profile(activities=activities) as prof:
+        wall = steps(args.profiled_steps)
+    events = [e for e in prof.key_averages() if (e.device_type.name == "CUDA") == kernels]
+    busy_of = (lambda e: e.self_device_time_total) if kernels else (lambda e: e.self_cpu_time_total)
+    busy = sum(busy_of(e) for e in events) / 1e6  # seconds; streams that overlap would count twice
+    by_kind = {}
+    for e in events:
+        by_kind[kind_of(e.key)] = by_kind.get(kind_of(e.key), 0) + busy_of(e) / 1e6
+    print(f"\nprofiled: {args.profiled_steps} steps, {wall:.3f} s of wall time, the {'GPU' if kernels else 'CPU'} "
+          f"busy {busy:.3f} s ({100 * busy / wall:.1f}%)")
+    print(f"{'kind':40} {'ms a step':>10} {'share':>7}")
+    for kind, secs in sorted(by_kind.items(), key=lambda item: -item[1]):
+        print(f"{kind:40} {1000 * secs / args.profiled_steps:10.1f} {100 * secs / busy:6.1f}%")
+    print("\nthe kernels that took the most time:")
+    top = sorted(events, key=busy_of, reverse=True)[:25]
+    for e in top:
+        print(f"{1000 * busy_of(e) / 1e6 / args.profiled_steps:9.2f} ms a step  {e.count // args.profiled_steps:5d}x  "
+              f"{kind_of(e.key)[:12]:12}  {e.key[:110]}")
+
+    os.makedirs(args.out_dir, exist_ok=True)
+    trace = os.path.join(args.out_dir, f"trace_B{B}.json")
+    prof.export_chrome_trace(trace)
+    with open(trace, "rb") as f, gzip.open(trace + ".gz", "wb") as out:
+        shutil.copyfileobj(f, out)
+    os.remove(trace)
+    figures = dict(device=name, micro_batch_size=B, seq_len=T, step_ms=1000 * seconds / args.timed_steps,
+                   tok_per_s=tok_per_s, mfu=mfu, profiled_wall_s=wall, busy_s=busy,
+                   ms_a_step_by_kind={k: 1000 * v / args.profiled_steps for k, v in by_kind.items()},
+                   top_kernels=[dict(name=e.key, ms_a_step=busy_of(e) / 1e3 / args.profiled_steps,
+                                     calls_a_step=e.count / args.profiled_steps) for e in top])
+    with open(os.path.join(args.out_dir, f"profile_B{B}.json"), "w") as f:
+        json.dump(figures, f, indent=1)
+    print(f"\ntrace: {trace}.gz; figures: {os.path.join(args.out_dir, f'profile_B{B}.json')}")
+
+
+if __name__ == "__main__":
+    main()
