@@ -18,8 +18,9 @@
 #                                # the largest micro-batch in 24 GiB, a run with default flags under torchrun, an
 #                                # exact resume, HellaSwag; each step capped so that the whole ends in time
 #   bash bench/gpu.sh --part next   # one call of 9 minutes for what the quick part left: where the time goes at
-#                                # micro-batches 64 and 32 (bench/gpu_profile.py), ours against the peer at 32, a
-#                                # small base model then a short mid_train.py run; each step capped
+#                                # micro-batches 64 and 32 (bench/gpu_profile.py), and at 64 with cuDNN's attention;
+#                                # ours against the peer at 32; a small base model then a short mid_train.py run;
+#                                # each step capped
 #   bash bench/gpu.sh --dry_run  # anywhere (CPU): every part with tiny models and few steps, on a GPU machine
 #                                # faked by tests/fake_cuda, so that the scripts take their CUDA path
 #
@@ -212,6 +213,11 @@ partnext() {  # one device call after partquick: each step gets at most its shar
     [[ $dry ]] && profile+=(--dry_run --warmup_steps 1 --timed_steps 1 --profiled_steps 1)
     capped 120; step profile_B64 python3 bench/gpu_profile.py --micro_batch_size 64 "${profile[@]}"
     capped 100; step profile_B32 python3 bench/gpu_profile.py --micro_batch_size 32 "${profile[@]}"
+    # cuDNN's attention, which torch leaves opt-in, against its default (flash attention) on Hopper; the dry
+    # run forces the CPU's flash attention instead, which takes the same path through the script
+    local attention=cudnn; [[ $dry ]] && attention=flash
+    capped 100; step profile_B64_$attention python3 bench/gpu_profile.py --micro_batch_size 64 \
+        --attention $attention "${profile[@]}"
     local size=(--micro_batches 32 --steps 15)
     [[ $dry ]] && size=(--dry_run --micro_batches 16)
     capped 170; step gpu_vs_peer_B32 python3 bench/gpu_vs_peer.py --peer "$bundle/peer/train_gpt2.py" \

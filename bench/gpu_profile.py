@@ -9,6 +9,7 @@ trace (open it in https://ui.perfetto.dev) and the figures as JSON.
 
     python bench/gpu_profile.py --out_dir out/gpu/profile                     # on a GPU: micro-batch 64
     python bench/gpu_profile.py --out_dir out/gpu/profile --micro_batch_size 32
+    python bench/gpu_profile.py --out_dir out/gpu/profile --attention cudnn   # SDPA's cuDNN backend forced
     python bench/gpu_profile.py --dry_run      # a tiny model, to check the paths (the CPU's ops, not kernels)
 """
 
@@ -20,8 +21,10 @@ import shutil
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,6 +58,8 @@ def main():
     p.add_argument("--warmup_steps", type=int, default=4, help="untimed: compilation, the allocator's warm-up")
     p.add_argument("--timed_steps", type=int, default=4, help="timed without the profiler")
     p.add_argument("--profiled_steps", type=int, default=2)
+    p.add_argument("--attention", choices=["auto", "cudnn", "flash"], default="auto",
+                   help="SDPA's backend: auto is torch's own choice (train_gpt2.py's); cudnn or flash forces one")
     p.add_argument("--out_dir", default=os.path.join(REPO, "out", "gpu-profile"), help="trace and figures")
     p.add_argument("--dry_run", action="store_true", help="a tiny model at seq 64; the CPU's ops profiled")
     args = p.parse_args()
@@ -91,21 +96,24 @@ def main():
             metrics["loss"].item()  # a host sync
         return time.perf_counter() - start
 
+    # The GPU's kernels (the CPU's ops also carry the time of the kernels they launch); a dry run, the CPU's ops.
+    kernels = cuda and not args.dry_run
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if kernels else [])
+    backend = {"auto": None, "cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[args.attention]
     name = torch.cuda.get_device_name() if cuda else "CPU (dry run)"
     print(f"{name}: GPT-2 {'tiny' if args.dry_run else '124M'}, seq {T}, micro-batch {B} x {grad_accum_steps} "
-          f"micro-steps, bf16, compile {compile_flag}; warm-up (compiles)", flush=True)
-    steps(args.warmup_steps)
-    seconds = steps(args.timed_steps)
+          f"micro-steps, bf16, compile {compile_flag}, attention {args.attention}; warm-up (compiles)", flush=True)
+    # around every step: torch.compile settles the attention backend when it traces the first
+    with sdpa_kernel([backend]) if backend else nullcontext():
+        steps(args.warmup_steps)
+        seconds = steps(args.timed_steps)
+        with profile(activities=activities) as prof:
+            wall = steps(args.profiled_steps)
     tok_per_s = args.timed_steps * total / seconds
     mfu = flops_per_token * tok_per_s / peak_flops if peak_flops else None
     print(f"timed: {1000 * seconds / args.timed_steps:.1f} ms a step, {tok_per_s:,.0f} tok/s"
           + (f", MFU {100 * mfu:.1f}%" if mfu else ""), flush=True)
 
-    # The GPU's kernels (the CPU's ops also carry the time of the kernels they launch); a dry run, the CPU's ops.
-    kernels = cuda and not args.dry_run
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if kernels else [])
-    with profile(activities=activities) as prof:
-        wall = steps(args.profiled_steps)
     events = [e for e in prof.key_averages() if (e.device_type.name == "CUDA") == kernels]
     busy_of = (lambda e: e.self_device_time_total) if kernels else (lambda e: e.self_cpu_time_total)
     busy = sum(busy_of(e) for e in events) / 1e6  # seconds; streams that overlap would count twice
@@ -124,19 +132,21 @@ def main():
               f"{kind_of(e.key)[:12]:12}  {e.key[:110]}")
 
     os.makedirs(args.out_dir, exist_ok=True)
-    trace = os.path.join(args.out_dir, f"trace_B{B}.json")
+    run_name = f"B{B}" + ("" if args.attention == "auto" else f"_{args.attention}")
+    trace = os.path.join(args.out_dir, f"trace_{run_name}.json")
     prof.export_chrome_trace(trace)
     with open(trace, "rb") as f, gzip.open(trace + ".gz", "wb") as out:
         shutil.copyfileobj(f, out)
     os.remove(trace)
-    figures = dict(device=name, micro_batch_size=B, seq_len=T, step_ms=1000 * seconds / args.timed_steps,
-                   tok_per_s=tok_per_s, mfu=mfu, profiled_wall_s=wall, busy_s=busy,
+    figures = dict(device=name, micro_batch_size=B, seq_len=T, attention=args.attention,
+                   step_ms=1000 * seconds / args.timed_steps, tok_per_s=tok_per_s, mfu=mfu,
+                   profiled_wall_s=wall, busy_s=busy,
                    ms_a_step_by_kind={k: 1000 * v / args.profiled_steps for k, v in by_kind.items()},
                    top_kernels=[dict(name=e.key, ms_a_step=busy_of(e) / 1e3 / args.profiled_steps,
                                      calls_a_step=e.count / args.profiled_steps) for e in top])
-    with open(os.path.join(args.out_dir, f"profile_B{B}.json"), "w") as f:
+    with open(os.path.join(args.out_dir, f"profile_{run_name}.json"), "w") as f:
         json.dump(figures, f, indent=1)
-    print(f"\ntrace: {trace}.gz; figures: {os.path.join(args.out_dir, f'profile_B{B}.json')}")
+    print(f"\ntrace: {trace}.gz; figures: {os.path.join(args.out_dir, f'profile_{run_name}.json')}")
 
 
 if __name__ == "__main__":
