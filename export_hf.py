@@ -103,6 +103,8 @@ def write_tokenizer(out_dir, chat_tokens, block_size):
 
 def main(argv=None):
     args = get_args(argv)
+    if not args.out_dir.rstrip("/"):
+        die(f"--out_dir '{args.out_dir}' names no folder to export into; give a new folder's path")
     if os.path.isfile(args.out_dir):
         die(f"--out_dir {args.out_dir} is a file; give a folder")
     earlier_export = os.path.exists(os.path.join(args.out_dir, "config.json"))

@@ -72,6 +72,9 @@ def read_run(run_dir):
             series, flags = read_log(f)
     except OSError as e:
         die(f"cannot read {path} ({e.strerror}); give the --out_dir of a train_gpt2.py or mid_train.py run")
+    if not any(series.values()):
+        die(f"{path} holds no loss record; give the --out_dir of a train_gpt2.py or mid_train.py run that has "
+            f"trained a step")
     return dict(name=run_dir, series=series, flags=flags or checkpoint_flags(run_dir))
 
 

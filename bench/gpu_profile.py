@@ -37,7 +37,7 @@ KINDS = [
     ("attention", ("flash", "fmha", "attention", "sdpa")),
     ("loss (softmax, cross-entropy)", ("log_softmax", "nll_loss", "cross_entropy")),
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "matmul", "aten::mm", "aten::addmm", "aten::bmm")),
-    ("optimizer", ("adam", "multi_tensor", "foreach", "norm_2")),
+    ("optimizer and gradient clipping", ("adam", "multi_tensor", "foreach")),
     ("fused elementwise and norms (Triton)", ("triton",)),
     ("copies and fills", ("memcpy", "memset", "copy", "fill")),
     ("communication", ("nccl", "allreduce")),
@@ -54,10 +54,10 @@ def kind_of(name):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--micro_batch_size", type=int, default=64)
-    p.add_argument("--warmup_steps", type=int, default=4, help="untimed: compilation, the allocator's warm-up")
-    p.add_argument("--timed_steps", type=int, default=4, help="timed without the profiler")
-    p.add_argument("--profiled_steps", type=int, default=2)
+    p.add_argument("--micro_batch_size", type=tg.positive_int, default=64)
+    p.add_argument("--warmup_steps", type=tg.positive_int, default=4, help="untimed: compilation, the allocator's warm-up")
+    p.add_argument("--timed_steps", type=tg.positive_int, default=4, help="timed without the profiler")
+    p.add_argument("--profiled_steps", type=tg.positive_int, default=2)
     p.add_argument("--attention", choices=["auto", "cudnn", "flash"], default="auto",
                    help="SDPA's backend: auto is torch's own choice (train_gpt2.py's); cudnn or flash forces one")
     p.add_argument("--out_dir", default=os.path.join(REPO, "out", "gpu-profile"), help="trace and figures")

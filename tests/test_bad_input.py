@@ -147,6 +147,8 @@ CASES = [
          expect="--val_fraction 0.9 held out"),
     case("export-out_dir-file", "export_hf.py", "--ckpt", "{tmp}/ckpt.pt", "--out_dir", "{tmp}/a_file",
          expect="is a file"),
+    case("export-out_dir-empty", "export_hf.py", "--ckpt", "{tmp}/ckpt.pt", "--out_dir", "",
+         expect="--out_dir '' names no folder"),
     # ---- a data folder that prepare_fineweb.py has not finished, or that lacks a shard it listed
     case("train-data_dir-prepare-unfinished", "train_gpt2.py", *DATA, "--data_dir", "{tmp}/data_unfinished",
          expect="is not finished: its manifest.json does not list a complete set of shards; run the"),

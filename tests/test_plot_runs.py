@@ -128,9 +128,12 @@ def test_without_matplotlib_the_table_then_one_error_line(tmp_path):
 
 @pytest.mark.parametrize("argv,expect", [(["{tmp}/none"], "cannot read {tmp}/none/log.jsonl"),
                                          (["{tmp}", "--smooth", "1"], "--smooth 1.0: give a weight"),
-                                         (["{tmp}", "--out", "{tmp}/no/such/dir.png"], "cannot write")])
+                                         (["{tmp}", "--out", "{tmp}/no/such/dir.png"], "cannot write"),
+                                         (["{tmp}", "{tmp}/garbled"], "{tmp}/garbled/log.jsonl holds no loss record")])
 def test_bad_input_is_one_error_line(argv, expect, tmp_path, capsys):
     write_log(tmp_path, [train(0, 10.0)])
+    (tmp_path / "garbled").mkdir()
+    (tmp_path / "garbled" / "log.jsonl").write_bytes(bytes(range(256)) * 8)  # not a log: no record in it
     with pytest.raises(SystemExit) as exit_info:
         plot_runs.main([a.format(tmp=tmp_path) for a in argv])
     err = capsys.readouterr().err.splitlines()
