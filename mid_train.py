@@ -411,7 +411,7 @@ def parse_source(spec, flag="--data"):
     """KIND:PATH[:N], a source of --data (N: its epochs, or a spelling task's rows) or of --val_data (N: the
     most rows it gives)."""
     kinds = [*HUB_SOURCES, *SPELLING_ROWS]
-    match = re.fullmatch(r"(\w+):(.+?)(?::(\d+))?", spec)
+    match = re.fullmatch(r"(\w+):(.+?)(?::(-?\d+))?", spec)
     if not match or match[1] not in kinds:
         die(f"{flag} {spec}: expected KIND:PATH[:N] with KIND one of {', '.join(kinds)}")
     kind, path, count = match.groups()

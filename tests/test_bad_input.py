@@ -136,6 +136,7 @@ CASES = [
     case("sample-out_dir-none-readable", "sample.py", "--ckpt", "{tmp}/bad_ckpts", expect="no readable checkpoint at"),
     # ---- found by review
     case("mid-epochs-0", "mid_train.py", *MID, "--data", "chat:{tmp}/ok.jsonl:0", expect="must be 1 or more"),
+    case("mid-epochs-neg", "mid_train.py", *MID, "--data", "chat:{tmp}/ok.jsonl:-2", expect="must be 1 or more"),
     case("mid-val_data-missing", "mid_train.py", *MID, "--data", "chat:{tmp}/ok.jsonl", "--val_data",
          "gsm8k:{tmp}/missing.jsonl", expect="--val_data gsm8k:"),
     case("train-run-not-a-name", "train_gpt2.py", "--run", "../x", expect="argument --run"),
