@@ -351,11 +351,17 @@ def ranged(kind, low, high=float("inf"), low_open=False, high_open=False):
 positive_int, nonneg_int = ranged(int, 1), ranged(int, 0)
 
 
-def refuse_ignored(p, args, modes):
-    """A flag given (a value other than its default) in a mode that does nothing with it is one error line,
-    not silently dropped. modes maps the words naming a mode to (whether it is on, the flags it ignores)."""
+def given_flags(argv=None):
+    """The names of the flags given in argv (sys.argv's): a flag not given may take another value later (a preset's,
+    a continued run's), one given keeps its own."""
+    return {arg[2:].split("=")[0] for arg in (sys.argv[1:] if argv is None else argv) if arg.startswith("--")}
+
+
+def refuse_ignored(argv, modes):
+    """A flag given in a mode that does nothing with it is one error line, not silently dropped. modes maps the
+    words naming a mode to (whether it is on, the flags it ignores)."""
     for mode, (on, ignored) in modes.items():
-        given = [name for name in ignored if on and getattr(args, name) != p.get_default(name)]
+        given = [name for name in ignored if on and name in given_flags(argv)]
         if given:
             die(f"--{given[0]} does nothing with {mode}; drop it")
 # ---- end shared: flags ----

@@ -19,10 +19,8 @@ import math
 import os
 import platform
 import re
-import shutil
 import signal
 import sys
-import tempfile
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
@@ -99,30 +97,9 @@ def get_args(argv=None):
     p.add_argument("--lr", type=positive_float, default=6e-4, help="peak learning rate (AdamW)")
     p.add_argument("--min_lr_ratio", type=fraction, default=0.1, help="cosine decay ends at lr * this")
     p.add_argument("--weight_decay", type=nonneg_float, default=0.1, help="weight decay on 2-D weights")
-    p.add_argument("--grad_clip", type=nonneg_float, default=1.0,
-                   help="clip the gradient norm to this (0: off)")
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
-                   help="adamw, or muon for the 2-D weights inside the blocks with adamw for the rest")
-    p.add_argument("--muon_lr", type=positive_float, default=0.02,
-                   help="peak learning rate of Muon (--optimizer muon)")
-    p.add_argument("--muon_momentum", type=fraction, default=0.95,
-                   help="Muon momentum, reached after --muon_momentum_warmup steps")
-    p.add_argument("--muon_momentum_warmup", type=nonneg_int, default=300,
-                   help="steps over which Muon's momentum rises from 0.85")
-    p.add_argument("--muon_weight_decay", type=nonneg_float, default=0.0,
-                   help="decoupled weight decay of Muon's weights (Muon's recipes use 0 to 0.01; "
-                        "--weight_decay is AdamW's)")
+    add_optimizer_flags(p, muon_lr=0.02, muon_momentum_warmup=300)
     p.add_argument("--seed", type=seed_int, default=1337, help="random seed")
-    # precision and speed
-    p.add_argument("--device", default="auto", help="auto, cuda, cuda:N, mps or cpu")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                   help="autocast dtype; auto: bfloat16 on CUDA and bf16 CPUs (AVX512-BF16, AMX), else float32")
-    p.add_argument("--fsdp", action="store_true",
-                   help="shard weights, gradients and optimizer state over the ranks (FSDP2) instead of DDP")
-    p.add_argument("--compile", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
-                   help="torch.compile the model; auto: on for CUDA (on a CPU it gains less than the minute "
-                        "it takes)")
-    # eval, sampling, checkpoints, logging
+    # eval and sampling
     p.add_argument("--eval_every", type=nonneg_int, default=250,
                    help="val loss and samples every N steps (and at the end; 0: never)")
     p.add_argument("--val_tokens", type=positive_int, default=10485760,
@@ -136,41 +113,26 @@ def get_args(argv=None):
                    help="HellaSwag eval every N steps when a file is given")
     p.add_argument("--hellaswag_limit", type=nonneg_int, default=0,
                    help="examples per HellaSwag eval (0: all)")
+    # the run: devices, its folder, checkpoints and logs
     p.add_argument("--out_dir", default="out", help="checkpoints, log.jsonl and wandb files go here")
     p.add_argument("--save_every", type=nonneg_int, default=1000,
                    help="checkpoint every N steps (and at the end, and on a stop signal; 0: never)")
-    p.add_argument("--keep_checkpoints", type=positive_int, default=3,
-                   help="newest checkpoints kept in out_dir")
-    p.add_argument("--resume", action="store_true",
-                   help="continue the run in out_dir (as the same command does when out_dir holds one), and "
-                        "refuse to start a new one; flags not given take its values")
-    p.add_argument("--log_every", type=positive_int, default=1,
-                   help="log every N-th step (a line and a record)")
-    p.add_argument("--peak_flops", type=positive_float,
-                   help="device peak FLOP/s for MFU (known GPUs are detected)")
-    p.add_argument("--wandb_project", help="log to this wandb project (WANDB_MODE=offline works)")
-    p.add_argument("--run", type=run_name, help="the run's name: wandb's name for it, and out/RUN when --out_dir is not given")
-    p.add_argument("--dry_run", action="store_true",
-                   help="train and evaluate as given, but write nothing: no checkpoint, log or summary")
+    add_run_flags(p)
     p.add_argument("--demo", action="store_true",
                    help="preset: a small GPT on data/demo (prepare_fineweb.py --demo)")
     args = p.parse_args(argv)
-    if args.demo:  # the preset changes the defaults; flags given explicitly still win
-        # OpenAI's weights keep their own shape: the preset's model flags are for a new model
-        preset = {key: value for key, value in DEMO_PRESET.items() if not (args.init_from and key in model_flags)}
-        p.set_defaults(**preset)
-        args = p.parse_args(argv)
-    if args.run:
-        p.set_defaults(out_dir=os.path.join("out", args.run))
-    if args.dry_run:  # a temporary out_dir, removed at the end: no run is continued, nothing is kept
-        argv = [*(sys.argv[1:] if argv is None else argv), "--out_dir", tempfile.mkdtemp(prefix="dry_run_")]
+    if args.demo:  # the preset's values for the flags not given; OpenAI's weights keep their own shape
+        take_defaults(args, argv, {key: value for key, value in DEMO_PRESET.items()
+                                    if not (args.init_from and key in model_flags)})
     # an out_dir holding checkpoints continues its run; the model, optimizer and data stay as they were
-    args = resume_args(p, argv, fixed=("model", *model_flags, "init_from", "optimizer", "data_dir"), kind="base")
+    continue_run(args, argv, fixed=("model", *model_flags, "init_from", "optimizer", "data_dir"), kind="base")
     if not args.prompt and args.num_samples:
         print0("--prompt is empty: the in-loop samples start from <|endoftext|>")
-    refuse_ignored(p, args, {
+    refuse_ignored(argv, {
         "--optimizer adamw": (args.optimizer == "adamw", MUON_FLAGS),
         "no --hellaswag_file": (args.hellaswag_file is None, ["hellaswag_every", "hellaswag_limit"]),
+        "--eval_every 0": (args.eval_every == 0, ["val_tokens", "num_samples", "sample_len", "prompt"]),
+        "--init_from (OpenAI's model as it is)": (args.init_from is not None, ["model"]),
         "--num_samples 0": (args.num_samples == 0, ["sample_len", "prompt"])})
     return args
 
@@ -519,10 +481,9 @@ def main(argv=None):
         die(f"--total_batch_size {args.total_batch_size} is not divisible by micro_batch_size * seq_len * "
             f"world_size = {B} * {T} * {world_size}; change --total_batch_size or --micro_batch_size")
     set_memory_advice(micro_batch_advice(B, T, args.total_batch_size))  # for the out-of-memory line
-    if master_process:
-        prepare_out_dir(args.out_dir)
+    take_out_dir(args)
 
-    # ---- the model: the checkpoint to resume, OpenAI's weights, or a new one
+    # ---- the model: the checkpoint of the run to continue, OpenAI's weights, or a new one
     checkpoint = None
     model_flags = {field.name: getattr(args, field.name) for field in fields(GPTConfig)
                    if getattr(args, field.name) is not None}
@@ -558,8 +519,9 @@ def main(argv=None):
     if val_steps < val_steps_asked:
         print0(f"--val_tokens {args.val_tokens:,} is more than the val shards hold: each eval reads them once, "
                f"{val_tokens:,} tokens")
-    hellaswag_examples = (load_hellaswag(args.hellaswag_file, args.hellaswag_limit) if args.hellaswag_file
-                          else None)
+    hellaswag_examples = None
+    if args.hellaswag_file:
+        hellaswag_examples = load_hellaswag(args.hellaswag_file, args.hellaswag_limit)
     enc = get_tokenizer()
     token_bytes = token_byte_counts(enc, raw_model.config.vocab_size, device)  # for val bits per byte
 
@@ -571,35 +533,16 @@ def main(argv=None):
     dtype = autocast_dtype(args.dtype, device)
     model, optimizers, scaler, autocast_ctx = setup_training(raw_model, args, dtype, device)
 
-    # ---- where a resumed run was, and the log
-    start_step, val_loss, wandb_run_id = 0, None, None
-    best = {"val_loss": math.inf, "val_bpb": math.inf}  # the best evals of the run, kept across a resume
-    tokens, train_seconds = 0, 0.0  # consumed and spent before this process went on
+    # ---- the run's state, in every checkpoint: a continued run takes it back whole
+    state = dict(step=0, loader=None, val_loss=None, best={"val_loss": math.inf, "val_bpb": math.inf},
+                 hellaswag_acc_norm=None, tokens=0, train_seconds=0.0, wandb_run_id=None)
     if checkpoint:
-        start_step, val_loss, wandb_run_id = restore_training_state(checkpoint, raw_model, optimizers,
-                                                                    scaler)
-        train_loader.load_state(checkpoint["loader"])
-        best = checkpoint.get("best", best)
-        tokens = checkpoint.get("tokens", start_step * args.total_batch_size)
-        train_seconds = checkpoint.get("train_seconds", 0.0)
-        print0(f"resuming from {args.resume_checkpoint} at step {start_step}")
-        del checkpoint
-    # a stop signal during the set-up: nothing new to save, and the log stays as it was
-    _, stop = sync_ranks(device, {})
-    if stop:
-        print0("stopped by signal before the first step: nothing to save")
-        return
-    log, wandb_run = open_run_log(args, start_step, wandb_run_id)
-    environment = run_environment(device)
-    log({"step": start_step, "flags": vars(args), "environment": environment},
-        "flags: " + " ".join(f"--{key} {value}" for key, value in vars(args).items())
-        + "\nenvironment: " + json.dumps(environment))
-    parallelism = "one process"
-    if world_size > 1:
-        parallelism = "FSDP" if args.fsdp else "DDP"
-    print0(f"{num_params(raw_model):,} parameters, {parameter_mib(raw_model):.1f} MiB of them per rank "
-           f"({parallelism}) | {device} {str(dtype).removeprefix('torch.')} | {args.total_batch_size:,} "
-           f"tokens/step = {grad_accum_steps} x {B} x {T} x {world_size}")
+        restore_run(checkpoint, state, raw_model, optimizers, scaler)
+        train_loader.load_state(state["loader"])
+        print0(f"resuming from {args.resume_checkpoint} at step {state['step']}")
+    start_step = state["step"]
+    log = RunLog(args, state, flops_per_token(raw_model, T), device)
+    print0(setup_line(raw_model, args, device, dtype))
     epoch_tokens = train_loader.num_windows * train_loader.window_tokens
     print0(f"train data: {args.data_order} order, {len(train_files)} shards, an epoch is {epoch_tokens:,} tokens "
            f"= {epoch_tokens / args.total_batch_size:,.1f} steps")
@@ -607,15 +550,12 @@ def main(argv=None):
     @torch.no_grad()
     def evaluate_val_loss():
         """The mean val loss over the same val tokens every time, and the val bits per byte: the nats of the
-        targets that are text over ln 2 times their bytes. None when a stop signal cut it short."""
+        targets that are text over ln 2 times their bytes."""
         val_loader.seek(0, 0, 0, 0)
         loss_sum, text_nats, text_bytes = torch.zeros(3, device=device)
         for i in progress(range(val_steps), "val loss"):
-            # a stop signal is asked about every 16 batches: a preempted job saves within seconds
-            if i % 16 == 15:
-                _, stop_now = sync_ranks(device, {})
-                if stop_now:
-                    return None, None
+            if i % 16 == 15:  # a preempted job stops within seconds
+                stop_if_asked(device)
             x, y = val_loader.next_batch()
             with autocast_ctx:
                 _, losses = model(x, y, reduction="none")  # each target's loss
@@ -629,105 +569,67 @@ def main(argv=None):
         loss_sum, text_nats, text_bytes = sums.tolist()  # a host sync
         return loss_sum / val_steps / world_size, text_nats / (math.log(2) * text_bytes)
 
-    step_log = StepLog(args, args.total_batch_size, flops_per_token(raw_model, T), device, tokens)
+    def save():
+        state["loader"] = train_loader.state()
+        save_checkpoint(raw_model, optimizers, scaler, args, state, kind="base")
 
-    def save_checkpoint(step):
-        save_training_checkpoint(raw_model, optimizers, scaler, args, step, kind="base",
-                                 loader=train_loader.state(), val_loss=val_loss, best=best,
-                                 tokens=step_log.tokens, train_seconds=train_seconds + step_log.train_seconds,
-                                 wandb_run_id=wandb_run.id if wandb_run else None)
+    try:
+        for step in range(start_step, args.max_steps + 1):
+            state["step"] = step
+            last_step = step == args.max_steps
+            # (a continued run evaluates where it goes on from: its checkpoint's last eval may be off the grid)
+            eval_now = args.eval_every and (step % args.eval_every == 0 or last_step or step == start_step)
+            stop_if_asked(device)  # SIGTERM or Ctrl-C on any rank: every rank stops here, and saves (below)
 
-    hellaswag_acc_norm = None
+            # once in a while evaluate the val loss
+            if eval_now:
+                val_loss, val_bpb = evaluate_val_loss()
+                judge_checkpoint(args, step, {"val_loss": val_loss}, scaler, saved=False)
+                log.val(step, val_loss, val_bpb, val_tokens=val_tokens)
 
-    for step in range(start_step, args.max_steps + 1):
-        last_step = step == args.max_steps
-        eval_now = args.eval_every and (step % args.eval_every == 0 or last_step)
+            # once in a while evaluate HellaSwag
+            if hellaswag_examples and (step % args.hellaswag_every == 0 or last_step):
+                correct, correct_norm, count = evaluate_hellaswag(
+                    raw_model, hellaswag_examples, enc, device, 16, autocast_ctx, split_ranks=not args.fsdp,
+                    should_stop=lambda: stop_if_asked(device))
+                acc, state["hellaswag_acc_norm"] = correct / count, correct_norm / count
+                log({"step": step, "hellaswag_acc": acc, "hellaswag_acc_norm": state["hellaswag_acc_norm"]},
+                    f"step {step:5d} | hellaswag acc {acc:.4f} acc_norm {state['hellaswag_acc_norm']:.4f} ({count})")
 
-        # once in a while evaluate the val loss; a stop signal cuts it short, then the run saves and stops
-        if eval_now and not stop:
-            step_val_loss, val_bpb = evaluate_val_loss()
-            stop = step_val_loss is None
-            if not stop:
-                val_loss = step_val_loss
-                if not math.isfinite(val_loss):
-                    stop_diverged(step, f"val loss {val_loss}", optimizers[0].param_groups[0]["lr"],
-                                  args.out_dir, saved_at_step=False)
-                best = {"val_loss": min(best["val_loss"], val_loss), "val_bpb": min(best["val_bpb"], val_bpb)}
-                log({"step": step, "val_loss": val_loss, "val_bpb": val_bpb, "val_tokens": val_tokens},
-                    f"step {step:5d} | val loss {val_loss:.4f} | val bpb {val_bpb:.4f} ({val_tokens:,} tokens)")
+            # once in a while sample from the model (not at the start: it has learned nothing new yet); under
+            # FSDP every rank runs the forward passes, as the weights are sharded
+            if eval_now and args.num_samples and step > start_step and (master_process or args.fsdp):
+                # the samples' own generator: the training RNG is left alone
+                generator = torch.Generator(device).manual_seed(args.seed + step)
+                prompt_ids = enc.encode(args.prompt) or [EOT_TOKEN]
+                prompts = torch.tensor([prompt_ids] * args.num_samples, device=device)
+                samples = sample_tokens(raw_model, prompts, args.sample_len, enc.n_vocab, generator,
+                                        autocast_ctx)
+                for i, sample in enumerate(samples.tolist()):
+                    print0(f"---- sample {i} ----\n{args.prompt}{enc.decode(sample)}")
 
-        # once in a while evaluate HellaSwag; a stop signal cuts it short too
-        if hellaswag_examples and (step % args.hellaswag_every == 0 or last_step) and not stop:
-            scores = evaluate_hellaswag(raw_model, hellaswag_examples, enc, device, 16, autocast_ctx,
-                                        split_ranks=not args.fsdp, should_stop=lambda: sync_ranks(device, {})[1])
-            stop = scores is None
-            if not stop:
-                correct, correct_norm, count = scores
-                acc, acc_norm = correct / count, correct_norm / count
-                hellaswag_acc_norm = acc_norm
-                log({"step": step, "hellaswag_acc": acc, "hellaswag_acc_norm": acc_norm},
-                    f"step {step:5d} | hellaswag acc {acc:.4f} acc_norm {acc_norm:.4f} ({count})")
-        if stop:
-            if args.save_every:
-                save_checkpoint(step)
-                print0(f"stopped by signal at step {step}; the same command continues the run", flush=True)
-            else:
-                print0(f"stopped by signal at step {step}; nothing saved (--save_every 0)", flush=True)
-            break
+            # once in a while save a checkpoint; the last step only evaluates and saves, it does not train
+            saved = args.save_every and step > start_step and (step % args.save_every == 0 or last_step)
+            if saved:
+                save()
+            if last_step:
+                prune_checkpoints(args, step)
+                log.summary(step, hellaswag_acc_norm=state["hellaswag_acc_norm"])
+                break
 
-        # once in a while sample from the model (not at the start: it has learned nothing new yet); under
-        # FSDP every rank runs the forward passes, as the weights are sharded
-        if eval_now and args.num_samples and step > start_step and (master_process or args.fsdp):
-            # the samples' own generator: the training RNG is left alone
-            generator = torch.Generator(device).manual_seed(args.seed + step)
-            prompt_ids = enc.encode(args.prompt) or [EOT_TOKEN]
-            prompts = torch.tensor([prompt_ids] * args.num_samples, device=device)
-            samples = sample_tokens(raw_model, prompts, args.sample_len, enc.n_vocab, generator,
-                                    autocast_ctx)
-            for i, sample in enumerate(samples.tolist()):
-                print0(f"---- sample {i} ----\n{args.prompt}{enc.decode(sample)}")
-
-        # once in a while save a checkpoint (its life: the "checkpoint_life" block)
-        saved_at_step = args.save_every and step > start_step and (step % args.save_every == 0 or last_step)
-        if saved_at_step:
-            save_checkpoint(step)
-        if last_step:  # the last step only evaluates and saves: it does not train
-            prune_checkpoints(args.out_dir, step, args.keep_checkpoints)
-            write_summary(log, args.out_dir, step, {
-                **{f"best_{name}": value for name, value in best.items()}, "hellaswag_acc_norm": hellaswag_acc_norm,
-                "tokens": step_log.tokens, "train_seconds": train_seconds + step_log.train_seconds,
-                "flops": step_log.flops_per_token * step_log.tokens, "peak_mem_gib": peak_memory_gib(device)})
-            break
-
-        # one optimizer step
-        t0 = time.perf_counter()
-        set_schedule(optimizers, lr_multiplier(step, args), step, args)
-        metrics = train_step(model, optimizers, scaler, train_loader.next_batch, grad_accum_steps,
-                             args.total_batch_size, args.grad_clip, autocast_ctx)
-        # the step's one host sync: the means over the ranks, and whether any rank was asked to stop
-        metrics, stop = sync_ranks(device, metrics)
-        seconds = time.perf_counter() - t0
-        metrics["lr"] = optimizers[0].param_groups[0]["lr"]  # the lr AdamW stepped with
-        # Stop on a non-finite loss. float16's grad scaler skips a step whose gradients overflow, so there an
-        # infinite gradient norm alone is no divergence.
-        if not math.isfinite(metrics["loss"]) or (
-                not scaler.is_enabled() and not math.isfinite(metrics["grad_norm"])):
-            stop_diverged(step, f"loss {metrics['loss']}, gradient norm {metrics['grad_norm']}",
-                          metrics["lr"], args.out_dir, saved_at_step)
-        if saved_at_step:
-            prune_checkpoints(args.out_dir, step, args.keep_checkpoints)
-
-        # the log: a line every log_every steps, of the means since the last
-        step_log.add(metrics, seconds)
-        if step % args.log_every == 0 or step == args.max_steps - 1:
-            log(*step_log.record(step))
-
-    if wandb_run:
-        wandb_run.finish()
-    if args.dry_run:
-        shutil.rmtree(args.out_dir, ignore_errors=True)
-    if world_size > 1:
-        dist.destroy_process_group()
+            # one optimizer step
+            t0 = time.perf_counter()
+            learning_rates = set_schedule(optimizers, lr_multiplier(step, args), step, args)
+            metrics = train_step(model, optimizers, scaler, train_loader.next_batch, grad_accum_steps,
+                                 args.total_batch_size, args.grad_clip, autocast_ctx)
+            metrics = sync_ranks(device, metrics)  # the step's one host sync: the means over the ranks
+            seconds = time.perf_counter() - t0
+            # the step's loss judges the weights it started from: a checkpoint of them is kept, or it diverged
+            judge_checkpoint(args, step, metrics, scaler, saved)
+            log.step(step, {**metrics, **learning_rates}, seconds)  # a line every --log_every steps
+    except StopRun:
+        stop_run(args, state, save)
+    end_run(args)
 
 
 # -----------------------------------------------------------------------------
@@ -791,13 +693,6 @@ def autocast_context(device_type, dtype):
 
 
 # ---- shared: setup ----
-def run_name(text):
-    """An argparse type: --run names a folder in out/, so it is one plain folder name."""
-    if not text or os.sep in text or text in (".", ".."):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a folder name: give a name without '{os.sep}'")
-    return text
-
-
 def micro_batch_advice(B, T, total_batch_size):
     """The out-of-memory line's advice in the trainers: the micro-batch that failed, and what to lower."""
     return (f"the micro-batch is --micro_batch_size {B} x --seq_len {T}; lower --micro_batch_size (gradient "
@@ -845,6 +740,18 @@ def setup_training(raw_model, args, dtype, device):
     return model, optimizers, scaler, autocast_ctx
 
 
+def setup_line(raw_model, args, device, dtype):
+    """The start-up line: the model's size, how it is spread over the ranks, the device, dtype and batch."""
+    parallelism = "one process"
+    if world_size > 1:
+        parallelism = "FSDP" if args.fsdp else "DDP"
+    grad_accum_steps = args.total_batch_size // (args.micro_batch_size * args.seq_len * world_size)
+    return (f"{num_params(raw_model):,} parameters, {parameter_mib(raw_model):.1f} MiB of them per rank "
+            f"({parallelism}) | {device} {str(dtype).removeprefix('torch.')} | {args.max_steps} steps of "
+            f"{args.total_batch_size:,} tokens = {grad_accum_steps} x {args.micro_batch_size} x {args.seq_len} x "
+            f"{world_size}")
+
+
 def num_params(model):
     return sum(p.numel() for p in model.parameters())
 
@@ -857,6 +764,24 @@ def parameter_mib(model):
 
 # ---- shared: optim ----
 MUON_FLAGS = ["muon_lr", "muon_momentum", "muon_momentum_warmup", "muon_weight_decay"]  # nothing with AdamW
+
+
+def add_optimizer_flags(p, muon_lr, muon_momentum_warmup):
+    """--grad_clip, --optimizer and Muon's flags (MUON_FLAGS), with each trainer's defaults for Muon's lr and
+    momentum warm-up."""
+    p.add_argument("--grad_clip", type=nonneg_float, default=1.0,
+                   help="clip the gradient norm to this (0: off)")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
+                   help="adamw, or muon for the 2-D weights inside the blocks with adamw for the rest")
+    p.add_argument("--muon_lr", type=positive_float, default=muon_lr,
+                   help="peak learning rate of Muon (--optimizer muon)")
+    p.add_argument("--muon_momentum", type=fraction, default=0.95,
+                   help="Muon momentum, reached after --muon_momentum_warmup steps")
+    p.add_argument("--muon_momentum_warmup", type=nonneg_int, default=muon_momentum_warmup,
+                   help="steps over which Muon's momentum rises from 0.85")
+    p.add_argument("--muon_weight_decay", type=nonneg_float, default=0.0,
+                   help="decoupled weight decay of Muon's weights (Muon's recipes use 0 to 0.01; "
+                        "--weight_decay is AdamW's)")
 
 
 def make_optimizers(model, args, device_type):
@@ -933,14 +858,18 @@ def zeropower_via_newtonschulz5(G, steps=5):
 
 def set_schedule(optimizers, multiplier, step, args):
     """Every group's learning rate at its peak (--lr, --muon_lr, or the group's own) times the schedule's
-    multiplier; Muon's momentum warms up from 0.85."""
+    multiplier; Muon's momentum warms up from 0.85. Returns each optimizer's lr, as its first group has it: lr
+    (AdamW's), muon_lr."""
     momentum_warmup = min(1.0, step / max(1, args.muon_momentum_warmup))  # 0 to 1
+    learning_rates = {}
     for opt in optimizers:
         for group in opt.param_groups:
             # a group's peak is the lr it was built with, noted at the first step
             group["lr"] = group.setdefault("peak_lr", group["lr"]) * multiplier
             if isinstance(opt, Muon):
                 group["momentum"] = (1 - momentum_warmup) * 0.85 + momentum_warmup * args.muon_momentum
+        learning_rates["muon_lr" if isinstance(opt, Muon) else "lr"] = opt.param_groups[0]["lr"]
+    return learning_rates
 # ---- end shared: optim ----
 
 
@@ -1052,42 +981,84 @@ def model_from_checkpoint(checkpoint):
 # ---- end shared: checkpoint ----
 
 
-# ---- shared: checkpoint_life ----
-# A checkpoint's life in a run. The loop saves one every --save_every steps and at the last step, of the
-# weights that step starts from, and keeps the newest --keep_checkpoints. The older ones are pruned only once
-# the new one's weights have given a finite loss: the step's training loss, or at the last step the val loss.
-# Should they give a non-finite one, the run stops at once (stop_diverged), deletes that checkpoint and names
-# the newest good one to resume from; so a diverging run never pushes good checkpoints out. A stop signal
-# saves and exits without pruning (the resumed run prunes). An out_dir holds one run: a command into a folder
-# that holds checkpoints continues that run from its newest readable one (with or without --resume), its flags
-# as defaults (resume_args); restore_training_state puts the optimizers back as they were.
+# ---- shared: run ----
+# A run lives in its --out_dir: log.jsonl, its checkpoints, summary.json. The same command into a folder that holds
+# checkpoints continues its run from the newest readable one, with its flags as the defaults (continue_run); the
+# run's state is one dict, saved in every checkpoint and taken back whole (restore_run). The loop saves a
+# checkpoint every --save_every steps and at the last step, of the weights that step starts from; the older ones
+# are pruned only once the new one's weights have given a finite loss (judge_checkpoint). Should they give a
+# non-finite one, the run stops at once, deletes that checkpoint and names the newest good one to resume from: a
+# diverging run never pushes good checkpoints out. SIGTERM or Ctrl-C on any rank stops every rank at the same
+# point (StopRun), and the step it was at is saved (stop_run). A dry run reads and writes no folder.
 
-def resume_args(parser, argv, fixed, kind):
-    """The flags of the run to continue: with --resume, or when out_dir holds checkpoints, the newest readable
-    one's flags become the defaults, so that a flag given changes only itself, and the `fixed` ones (the
-    model's shape, the optimizer, the data) must stay. Its path is args.resume_checkpoint (None: a new run).
-    `kind` is this script's checkpoint kind: a folder of the other script's run is refused."""
-    args = parser.parse_args(argv)
+def add_run_flags(p):
+    """The flags of the run around the loop, the same in both trainers."""
+    p.add_argument("--keep_checkpoints", type=positive_int, default=3, help="newest checkpoints kept in out_dir")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in out_dir (as the same command does when out_dir holds one), and "
+                        "refuse to start a new one; flags not given take its values")
+    p.add_argument("--log_every", type=positive_int, default=1, help="log every N-th step (a line and a record)")
+    p.add_argument("--peak_flops", type=positive_float, help="device peak FLOP/s for MFU (known GPUs are detected)")
+    p.add_argument("--wandb_project", help="log to this wandb project (WANDB_MODE=offline works)")
+    p.add_argument("--run", type=run_name,
+                   help="the run's name: wandb's name for it, and out/RUN when --out_dir is not given")
+    p.add_argument("--dry_run", action="store_true",
+                   help="train and evaluate as given, but read and write no out_dir: no checkpoint, log or summary")
+    p.add_argument("--device", default="auto", help="auto, cuda, cuda:N, mps or cpu")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="autocast dtype; auto: bfloat16 on CUDA and bf16 CPUs (AVX512-BF16, AMX), else float32")
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard weights, gradients and optimizer state over the ranks (FSDP2) instead of DDP")
+    p.add_argument("--compile", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
+                   help="torch.compile the model; auto: on for CUDA (on a CPU it gains less than the minute "
+                        "it takes)")
+
+
+def run_name(text):
+    """An argparse type: --run names a folder in out/, so it is one plain folder name."""
+    if not text or os.sep in text or text in (".", ".."):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a folder name: give a name without '{os.sep}'")
+    return text
+
+
+def take_defaults(args, argv, defaults):
+    """Each flag not given in argv takes its value in defaults."""
+    for name, value in defaults.items():
+        if name not in given_flags(argv):
+            setattr(args, name, value)
+
+
+def continue_run(args, argv, fixed, kind):
+    """The run in --out_dir (out/RUN with --run) goes on, with --resume or when the folder holds checkpoints: the
+    newest readable one's flags are the values of those not given, and the `fixed` ones (the model, the optimizer,
+    the data) must stay. args.resume_checkpoint is its path (None: a new run). `kind` is this script's checkpoint
+    kind: a folder of the other script's run is refused."""
+    if args.run:
+        take_defaults(args, argv, {"out_dir": os.path.join("out", args.run)})
     args.resume_checkpoint = None
+    if args.dry_run:
+        refuse_ignored(argv, {"--dry_run, which reads and writes no out_dir": (True, [
+            "out_dir", "run", "resume", "save_every", "keep_checkpoints", "wandb_project"])})
+        args.save_every = 0
+        return
+    refuse_ignored(argv, {"--save_every 0": (args.save_every == 0, ["keep_checkpoints"])})
     if not args.resume and not checkpoint_files(args.out_dir):
-        return args
+        return
     checkpoint, path = load_checkpoint(args.out_dir, mmap=True)  # no tensor is read yet
     if checkpoint.get("kind") != kind:
-        die(f"--out_dir {args.out_dir} holds a run of the other script ({checkpoint['kind']} checkpoints): give "
-            f"this run another --out_dir")
+        die(f"--out_dir {args.out_dir} holds a run of the other script ({checkpoint.get('kind')} checkpoints): "
+            f"give this run another --out_dir")
     if not args.resume:
         print0(f"--out_dir {args.out_dir} holds a run: continuing it (a new run needs another --out_dir)")
     saved = dict(checkpoint["args"])
     for key in fixed:  # the model's shape as built: args hold None where --model gave it
         if key in checkpoint["config"]:
             saved[key] = checkpoint["config"][key]
-    # --fsdp is not taken from the checkpoint (no flag turns it off): each launch says how it shards, and a
-    # checkpoint of either kind loads. It is still reported below when it changed.
-    parser.set_defaults(**{key: value for key, value in saved.items()
-                           if key not in ("resume", "out_dir", "demo", "fsdp")})
-    args = parser.parse_args(argv)
-    changed = [key for key, value in vars(args).items()
-               if key in saved and saved[key] != value and key not in ("resume", "out_dir", "demo")]
+    for key in ("resume", "resume_checkpoint", "out_dir", "demo"):
+        saved.pop(key, None)
+    # --fsdp is each launch's own (no flag turns it off): a checkpoint of either kind loads; a change is said
+    take_defaults(args, argv, {key: value for key, value in saved.items() if key != "fsdp"})
+    changed = [key for key, value in saved.items() if getattr(args, key, value) != value]
     for key in changed:
         if key in fixed:
             die(f"--{key} {getattr(args, key)}: the checkpoint in {args.out_dir} was trained with {saved[key]}, "
@@ -1105,11 +1076,20 @@ def resume_args(parser, argv, fixed, kind):
                f"--max_steps goes on, another --out_dir starts a new run")
         sys.exit(0)
     args.resume_checkpoint = path
-    return args
 
 
-def restore_training_state(checkpoint, raw_model, optimizers, scaler):
-    """The optimizers' and the grad scaler's state; returns (step, val_loss, wandb_run_id) to go on from."""
+def take_out_dir(args):
+    """Rank 0 takes --out_dir before any work (prepare_out_dir); a dry run takes none. A new run refuses a folder
+    that holds the log of a run without a checkpoint to go on from: nothing of that run is overwritten."""
+    if master_process and not args.dry_run:
+        prepare_out_dir(args.out_dir)
+        if not args.resume_checkpoint and os.path.exists(os.path.join(args.out_dir, "log.jsonl")):
+            die(f"--out_dir {args.out_dir} holds the log of a run that saved no checkpoint to go on from; give "
+                f"another --out_dir, or move its log.jsonl away to start anew there")
+
+
+def restore_run(checkpoint, state, raw_model, optimizers, scaler):
+    """The optimizers, the grad scaler and the run's state as the checkpoint has them."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
     # The saved parameter groups (all optimizers', in order) keep their parameters and take this run's
     # hyperparameters (lr...): the old run's would silently override a new --lr.
@@ -1120,27 +1100,30 @@ def restore_training_state(checkpoint, raw_model, optimizers, scaler):
             f"{len(our_groups)}: resume with the code and --optimizer that saved it, or start afresh")
     checkpoint["optimizer"]["param_groups"] = [{**ours, "params": saved["params"]}
                                                for ours, saved in zip(our_groups, saved_groups)]
-    set_optimizer_state_dict(raw_model, optimizers, checkpoint["optimizer"],
-                             options=StateDictOptions(full_state_dict=True))
+    try:
+        set_optimizer_state_dict(raw_model, optimizers, checkpoint["optimizer"],
+                                 options=StateDictOptions(full_state_dict=True))
+    except (KeyError, ValueError, RuntimeError) as e:  # another optimizer, or weights it did not have
+        die(f"the checkpoint's optimizer state does not fit this run's optimizers ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:200]}): resume with the code and --optimizer that saved it, or start afresh")
     if checkpoint["scaler"]:  # empty from a run without float16's scaler: this one starts afresh
         scaler.load_state_dict(checkpoint["scaler"])
-    return checkpoint["step"], checkpoint["val_loss"], checkpoint["wandb_run_id"]
+    state.update({key: checkpoint[key] for key in state if key in checkpoint})
 
 
-def save_training_checkpoint(raw_model, optimizers, scaler, args, step, **fields):
-    """Every rank calls it (gathering FSDP shards is a collective); rank 0 writes the model, optimizer and
-    scaler state, step, config and flags, plus the script's own fields (data position, val loss...). Nothing
-    else is needed to go on exactly: a step draws no random numbers (no dropout; the samples have their own
-    generator)."""
+def save_checkpoint(raw_model, optimizers, scaler, args, state, kind):
+    """Every rank calls it (gathering FSDP shards is a collective); rank 0 writes the model, optimizer and scaler
+    state, config, flags and the script's kind, and the run's state. Nothing else is needed to go on exactly: a
+    step draws no random numbers (no dropout; the samples have their own generator)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     # full state dicts on rank 0, the optimizer's keyed by parameter name: one format, sharded or not
     model_state, optimizer_state = get_state_dict(raw_model, optimizers,
                                                   options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if master_process:
         checkpoint = {"model": model_state, "optimizer": optimizer_state, "scaler": scaler.state_dict(),
-                      "step": step, "config": asdict(raw_model.config), "args": vars(args), **fields}
-        path = checkpoint_path(args.out_dir, step)
-        older = older_checkpoints(args.out_dir, step)
+                      "config": asdict(raw_model.config), "args": vars(args), "kind": kind, **state}
+        path = checkpoint_path(args.out_dir, state["step"])
+        older = older_checkpoints(args.out_dir, state["step"])
         if older:
             advice = (f"free space in --out_dir {args.out_dir} (or move it), then go on with --resume from "
                       f"{os.path.basename(older[-1])}: the older checkpoints are as they were")
@@ -1161,32 +1144,68 @@ def older_checkpoints(out_dir, step):
     return [path for path in checkpoint_files(out_dir) if path < checkpoint_path(out_dir, step)]
 
 
-def prune_checkpoints(out_dir, step, keep):
-    """Keep step's checkpoint and the keep - 1 before it. They are counted back from step's, not from the
-    newest name: a newer file is a leftover that --resume passed over (unreadable, or past where this run
-    went on from), and pruning by name would delete step's checkpoint instead."""
+def judge_checkpoint(args, step, metrics, scaler, saved):
+    """The losses in metrics, of the weights this step starts from, judge them. Finite: the checkpoint of them
+    (saved at this step, if saved) is good, and the older ones past --keep_checkpoints go. Not: the run diverged
+    and stops at once on every rank; that checkpoint is deleted, and the error line names the newest good one."""
+    # float16's grad scaler skips a step whose gradients overflow: there an infinite gradient norm is no divergence
+    judged = ["loss", "val_loss"] if scaler.is_enabled() else ["loss", "val_loss", "grad_norm"]
+    if all(math.isfinite(value) for name, value in metrics.items() if name in judged):
+        if saved:
+            prune_checkpoints(args, step)
+        return
     if master_process:
-        older = older_checkpoints(out_dir, step)
-        surplus = max(0, len(older) - (keep - 1))
-        for path in older[:surplus]:
+        path = checkpoint_path(args.out_dir, step)
+        if saved:
             os.remove(path)
-
-
-def stop_diverged(step, what, lr, out_dir, saved_at_step):
-    """A non-finite loss at step: stop at once on every rank. The checkpoint of these weights, if
-    saved_at_step, is deleted, and the error line names the newest older one to resume from."""
-    if master_process:
-        path = checkpoint_path(out_dir, step)
-        if saved_at_step:
-            os.remove(path)
-        older = older_checkpoints(out_dir, step)
+        older = older_checkpoints(args.out_dir, step)
         what_to_do = (f"resume from {older[-1]} with --resume and a lower --lr" if older
                       else "start again with a lower --lr")
         if os.path.isfile(path):  # the run resumed from these weights: --resume would take them again
             what_to_do = f"move {path} aside (its weights diverge), then {what_to_do}"
-        die(f"the run diverged at step {step} ({what} at lr {lr:.4e}); nothing of it was saved: {what_to_do}")
+        values = ", ".join(f"{name} {value:.4g}" for name, value in metrics.items())
+        die(f"the run diverged at step {step} ({values}); nothing of it was saved: {what_to_do}")
     sys.exit(2)
-# ---- end shared: checkpoint_life ----
+
+
+def prune_checkpoints(args, step):
+    """Keep step's checkpoint and the --keep_checkpoints - 1 readable ones before it. They are counted back from
+    step's, not from the newest name: a newer file is a leftover that --resume passed over (unreadable, or past
+    where this run went on from), and pruning by name would delete step's checkpoint instead. An unreadable one is
+    neither counted nor deleted: it never pushes a good one out."""
+    if master_process:
+        older = [path for path in older_checkpoints(args.out_dir, step) if readable(path)]
+        for path in older[: max(0, len(older) - (args.keep_checkpoints - 1))]:
+            os.remove(path)
+
+
+def readable(path):
+    try:  # mmap: the tensors are not read
+        torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:
+        return False
+    return True
+
+
+def stop_run(args, state, save):
+    """A stop signal (StopRun): save the step the run was at, and say how the run goes on."""
+    if args.dry_run:
+        print0(f"stopped by signal at step {state['step']}; a dry run keeps nothing", flush=True)
+    elif args.save_every:
+        save()
+        print0(f"stopped by signal at step {state['step']}; the same command continues the run", flush=True)
+    else:
+        print0(f"stopped by signal at step {state['step']}; nothing saved (--save_every 0)", flush=True)
+
+
+def end_run(args):
+    """The run's end, however it ends: wandb's run, and the process group."""
+    if master_process and args.wandb_project:
+        import wandb
+        wandb.finish()
+    if world_size > 1:
+        dist.destroy_process_group()
+# ---- end shared: run ----
 
 
 # ---- shared: pretrained ----
@@ -1246,48 +1265,6 @@ def hub_reachable():
 
 
 # ---- shared: logging ----
-def open_run_log(args, start_step, wandb_run_id):
-    """Rank 0's out_dir/log.jsonl (on resume, minus records past the checkpoint) and wandb run (continued on
-    resume). Returns log(record, line) and the wandb run."""
-    path = os.path.join(args.out_dir, "log.jsonl")
-    wandb_run = None
-    if master_process:
-        kept = []
-        if start_step > 0 and os.path.exists(path):
-            with open(path, "rb") as f:
-                records = [log_record(line) for line in f]
-            # a half-written line of a killed run (disk full, power loss): the rest is kept
-            if None in records:
-                print(f"{path}: dropping {records.count(None)} unreadable (half-written) line(s)",
-                      file=sys.stderr)
-            kept = [json.dumps(r) + "\n" for r in records if r is not None and r.get("step", 0) < start_step]
-        write_file(path, lambda f: f.write("".join(kept).encode()),
-                   "free space in --out_dir or give another one")
-        if args.wandb_project:
-            import wandb
-            try:
-                wandb_run = wandb.init(project=args.wandb_project, name=args.run, id=wandb_run_id,
-                                       resume="allow", config=vars(args), dir=args.out_dir)
-            except wandb.errors.Error as e:  # not logged in (and no WANDB_MODE), a bad key, no network
-                die(f"--wandb_project: wandb cannot start ({str(e).splitlines()[0]}); run `wandb login`, or set "
-                    f"WANDB_MODE=offline to log locally (wandb sync uploads it later)")
-
-    def log(record, line):
-        record = {**record, "time": round(time.time(), 3)}  # wall-clock seconds since 1970
-        if master_process:
-            print(line, flush=True)
-            try:
-                with open(path, "a") as f:
-                    f.write(json.dumps(record) + "\n")
-            except OSError as e:
-                die(f"cannot write {path} ({e.strerror}); free space (or move --out_dir), then go on with "
-                    f"--resume from the newest checkpoint: a half-written last line is dropped then")
-            if wandb_run:
-                wandb_run.log(record, step=record["step"])
-
-    return log, wandb_run
-
-
 def log_record(line):
     """A log.jsonl line as a dict, or None for a line that is not one whole record."""
     try:
@@ -1309,53 +1286,117 @@ PEAK_BF16_FLOPS = {
 }
 
 
-class StepLog:
-    """The step lines and records. Each step adds its metrics (loss, lr, gradient norm, any added in
-    train_step) and time; every --log_every steps a line and a record give the interval's means, the last
-    loss, tok/s and MFU over the interval's time, and the tokens consumed so far, summed step by step."""
+class RunLog:
+    """What a run reports, on rank 0: a line on stdout, and a record in out_dir/log.jsonl and wandb (a dry run: the
+    line only). A continued run's log.jsonl and wandb run go on from its checkpoint's step: the records from there
+    on are dropped, and the run makes them again. The first record holds the flags and the environment; then come
+    the evals, the steps and, at the end, the summary. The run's state keeps the val loss, the best evals, the
+    tokens and the training time."""
 
-    def __init__(self, args, tokens_per_step, flops_per_token, device, tokens):
-        self.max_steps = args.max_steps
-        self.tokens_per_step = tokens_per_step
-        self.flops_per_token = flops_per_token
-        self.device = device
-        self.tokens = tokens  # consumed before this run went on (a resumed run's checkpoint says how many)
-        self.train_seconds = 0.0  # this process's time in training steps, for the summary
-        self.interval = []  # (metrics, seconds) of each step since the last line
+    def __init__(self, args, state, flops_per_token, device):
+        self.args, self.state, self.flops_per_token, self.device = args, state, flops_per_token, device
+        self.path = os.path.join(args.out_dir, "log.jsonl")
+        self.interval = []  # (metrics, seconds) of each step since the last step line
         # MFU needs the device's peak FLOP/s: --peak_flops, or the table's entry for this GPU
         device_name = torch.cuda.get_device_name(device) if device.startswith("cuda") else device
         self.peak_flops = args.peak_flops or PEAK_BF16_FLOPS.get(device_name)
+        if master_process and not args.dry_run:
+            kept = []
+            if state["step"] > 0 and os.path.exists(self.path):
+                with open(self.path, "rb") as f:
+                    records = [log_record(line) for line in f]
+                # a half-written line of a killed run (disk full, power loss): the rest is kept
+                if None in records:
+                    print(f"{self.path}: dropping {records.count(None)} unreadable (half-written) line(s)",
+                          file=sys.stderr)
+                kept = [json.dumps(r) + "\n" for r in records if r is not None and r.get("step", 0) < state["step"]]
+            write_file(self.path, lambda f: f.write("".join(kept).encode()),
+                       "free space in --out_dir or give another one")
+            if args.wandb_project:
+                import wandb
+                try:
+                    wandb.init(project=args.wandb_project, name=args.run, id=state["wandb_run_id"],
+                               resume="allow", config=vars(args), dir=args.out_dir)
+                except wandb.errors.Error as e:  # not logged in (and no WANDB_MODE), a bad key, no network
+                    die(f"--wandb_project: wandb cannot start ({str(e).splitlines()[0]}); run `wandb login`, or "
+                        f"set WANDB_MODE=offline to log locally (wandb sync uploads it later)")
+                state["wandb_run_id"] = wandb.run.id
+        environment = run_environment(device)
+        self({"step": state["step"], "flags": vars(args), "environment": environment},
+             "flags: " + " ".join(f"--{key} {value}" for key, value in vars(args).items())
+             + "\nenvironment: " + json.dumps(environment))
 
-    def add(self, metrics, seconds):
+    def __call__(self, record, line):
+        record = {**record, "time": round(time.time(), 3)}  # wall-clock seconds since 1970
+        if master_process:
+            print(line, flush=True)
+        if master_process and not self.args.dry_run:
+            try:
+                with open(self.path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            except OSError as e:
+                die(f"cannot write {self.path} ({e.strerror}); free space (or move --out_dir), then go on with "
+                    f"--resume from the newest checkpoint: a half-written last line is dropped then")
+            if self.args.wandb_project:
+                import wandb
+                wandb.log(record, step=record["step"])
+
+    def val(self, step, val_loss, val_bpb, **more):
+        """An eval's record and line; the run's state keeps the val loss and the best of each."""
+        self.state["val_loss"] = val_loss
+        best = self.state["best"]
+        self.state["best"] = {"val_loss": min(best["val_loss"], val_loss), "val_bpb": min(best["val_bpb"], val_bpb)}
+        line = f"step {step:5d} | val loss {val_loss:.4f} | val bpb {val_bpb:.4f}"
+        self({"step": step, "val_loss": val_loss, "val_bpb": val_bpb, **more},
+             line + "".join(f" | {name} {value:,}" for name, value in more.items()))
+
+    def step(self, step, metrics, seconds):
+        """A trained step: its tokens and time go to the run's state; every --log_every steps (and at the last) a
+        line and a record give the means since the last line (loss, gradient norm and any metric train_step
+        adds), the last loss and lr, tok/s and MFU over the interval's time, and the tokens so far. Each step's
+        time is rank 0's, which waits in the step's all-reduce for the slowest rank: so tok/s (over all ranks)
+        and MFU (over all devices) are the slowest rank's. Memory is rank 0's."""
+        self.state["tokens"] += self.args.total_batch_size
+        self.state["train_seconds"] += seconds
         self.interval.append((metrics, seconds))
-        self.tokens += self.tokens_per_step
-        self.train_seconds += seconds
-
-    def record(self, step):
-        """The record and line of the steps added since the last one. Each step's time is rank 0's, which waits
-        in the step's all-reduce for the slowest rank: so tok/s (over all ranks) and MFU (over all devices) are
-        the slowest rank's. Memory is rank 0's."""
+        if step % self.args.log_every and step != self.args.max_steps - 1:
+            return
         seconds = sum(step_seconds for _, step_seconds in self.interval)
-        means = {name: sum(m[name] for m, _ in self.interval) / len(self.interval) for name in self.interval[-1][0]}
-        means["lr"] = self.interval[-1][0]["lr"]  # the lr of the step logged
-        means["last_loss"] = self.interval[-1][0]["loss"]
+        means = {name: sum(m[name] for m, _ in self.interval) / len(self.interval) for name in metrics}
+        # the learning rates of the step logged, and its loss
+        means.update({name: value for name, value in metrics.items() if name.endswith("lr")}, last_loss=metrics["loss"])
         step_seconds = seconds / len(self.interval)
-        tokens = self.tokens_per_step * len(self.interval)
-        record = {"step": step, **means, "tokens": self.tokens, "ms": step_seconds * 1000,
-                  "tok_per_s": tokens / seconds, "peak_mem_gib": peak_memory_gib(self.device),
-                  "eta_s": step_seconds * (self.max_steps - 1 - step)}  # at the interval's speed
+        interval_tokens = self.args.total_batch_size * len(self.interval)
+        tokens = self.state["tokens"]
+        record = {"step": step, **means, "tokens": tokens, "ms": step_seconds * 1000,
+                  "tok_per_s": interval_tokens / seconds, "peak_mem_gib": peak_memory_gib(self.device),
+                  "eta_s": step_seconds * (self.args.max_steps - 1 - step)}  # at the interval's speed
         self.interval = []
-        line = (f"step {step:5d}/{self.max_steps} | loss {means['loss']:.6f} | lr {means['lr']:.4e} | "
+        line = (f"step {step:5d}/{self.args.max_steps} | loss {means['loss']:.6f} | lr {means['lr']:.4e} | "
                 f"norm {means['grad_norm']:.4f} | ")
         for name, value in means.items():  # the metrics added in train_step
             if name not in ("loss", "lr", "grad_norm", "last_loss"):
                 line += f"{name} {value:.4g} | "
-        line += (f"{step_seconds * 1000:.1f} ms | {record['tok_per_s']:,.0f} tok/s | {self.tokens:,} tokens "
+        line += (f"{step_seconds * 1000:.1f} ms | {record['tok_per_s']:,.0f} tok/s | {tokens:,} tokens "
                  f"| mem {record['peak_mem_gib']:.2f} GiB | eta {record['eta_s'] / 60:,.1f} min")
         if self.peak_flops:
-            record["mfu"] = self.flops_per_token * tokens / seconds / (self.peak_flops * world_size)
+            record["mfu"] = self.flops_per_token * interval_tokens / seconds / (self.peak_flops * world_size)
             line += f" | MFU {record['mfu'] * 100:.1f}%"
-        return record, line
+        self(record, line)
+
+    def summary(self, step, **more):
+        """The run's summary at its last step: a line, a record and out_dir/summary.json. An eval that never ran
+        (its best still infinite) is None."""
+        summary = {**{f"best_{name}": value for name, value in self.state["best"].items()}, **more,
+                   "tokens": self.state["tokens"], "train_seconds": self.state["train_seconds"],
+                   "flops": self.flops_per_token * self.state["tokens"], "peak_mem_gib": peak_memory_gib(self.device)}
+        summary = {name: None if value == math.inf else value for name, value in summary.items()}
+        line = " | ".join(f"{name} {value:.6g}" if isinstance(value, float) else f"{name} {value}"
+                          for name, value in summary.items())
+        self({"step": step, "summary": summary}, f"summary: {line}")
+        if master_process and not self.args.dry_run:
+            write_file(os.path.join(self.args.out_dir, "summary.json"),
+                       lambda f: f.write(json.dumps(summary, indent=1).encode()), "free space in --out_dir")
 
 
 def token_byte_counts(enc, vocab_size, device):
@@ -1379,18 +1420,6 @@ def run_environment(device):
             "device": device_name, "world_size": world_size, "host": platform.node(), "variables": variables}
 
 
-def write_summary(log, out_dir, step, summary):
-    """The run's summary at its end: a line, a record and out_dir/summary.json. An eval that never ran (its
-    best still infinite) is None."""
-    summary = {name: None if value == math.inf else value for name, value in summary.items()}
-    line = " | ".join(f"{name} {value:.6g}" if isinstance(value, float) else f"{name} {value}"
-                      for name, value in summary.items())
-    log({"step": step, "summary": summary}, f"summary: {line}")
-    if master_process:
-        write_file(os.path.join(out_dir, "summary.json"), lambda f: f.write(json.dumps(summary, indent=1).encode()),
-                   "free space in --out_dir")
-
-
 def flops_per_token(model, seq_len):
     """Training FLOPs per token: 6 for each weight of a linear layer (a multiply and an add, forward and
     twice backward), plus attention's 12 * L * d * T (PaLM, app. B); lookups and norms do no matmul."""
@@ -1409,7 +1438,7 @@ def peak_memory_gib(device):
 
 # ---- shared: signals ----
 # SIGTERM (a preempted job) or Ctrl-C: the run finishes its step or stops its eval, saves, and exits. A rank
-# only notes the signal; the ranks then agree in sync_ranks, so that all of them stop at the same point.
+# only notes the signal; the ranks then agree in stop_if_asked, so that all of them stop at the same point.
 stop_requested = False
 
 
@@ -1422,8 +1451,8 @@ def request_stop(signum, frame):
 class OutputThatCannotFail:
     """sys.stdout and sys.stderr of a run. Under `| tee`, Ctrl-C ends tee too, and the next print would raise
     BrokenPipeError (a full disk: OSError) before the stop save. From the first failed write on, the stream's
-    file descriptor points at /dev/null (so Python's flush at exit succeeds too) and the run goes on: its
-    records are in log.jsonl."""
+    file descriptor points at /dev/null (so Python's flush at exit succeeds too), stderr says so, and the run goes
+    on: its records are in log.jsonl."""
 
     def __init__(self, stream):
         self.stream = stream
@@ -1432,17 +1461,20 @@ class OutputThatCannotFail:
         return getattr(self.stream, name)
 
     def write(self, text):
-        try:
-            return self.stream.write(text)
-        except OSError:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
-            return len(text)
+        self.guard(self.stream.write, text)
+        return len(text)
 
     def flush(self):
+        self.guard(self.stream.flush)
+
+    def guard(self, operation, *args):
         try:
-            self.stream.flush()
-        except OSError:
+            operation(*args)
+        except OSError as e:
             os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+            if self is sys.stdout:
+                print(f"stdout failed ({e.strerror}): the run goes on without it, its records in log.jsonl",
+                      file=sys.stderr, flush=True)
 
 
 def handle_stop_signals():
@@ -1453,16 +1485,29 @@ def handle_stop_signals():
     sys.stdout, sys.stderr = OutputThatCannotFail(sys.stdout), OutputThatCannotFail(sys.stderr)
 
 
+class StopRun(Exception):
+    """A stop signal on some rank: stop_if_asked raises it on every rank at the same point."""
+
+
+def stop_if_asked(device):
+    """Raise StopRun on every rank when any rank was asked to stop: one all-reduce of the ranks' stop flags, which
+    every rank calls at the same points (each step, and every 16 batches of an eval)."""
+    asked = stop_requested
+    if world_size > 1:
+        flags = torch.tensor(float(stop_requested), device=device)
+        dist.all_reduce(flags)
+        asked = flags.item() > 0  # a host sync
+    if asked:
+        raise StopRun
+
+
 def sync_ranks(device, metrics):
-    """The mean over the ranks of each metric (a dict of device scalars), and whether any rank was asked to
-    stop: one all-reduce of one tensor, which every rank calls at the same points (each step, in evals)."""
-    # the metrics, of any dtype, and the stop flag: torch.stack promotes them to one float tensor
-    values = torch.stack([*metrics.values(), torch.tensor(float(stop_requested), device=device)])
+    """The mean over the ranks of each metric (a dict of device scalars): one all-reduce of one tensor."""
+    values = torch.stack(list(metrics.values())).float()
     if world_size > 1:
         dist.all_reduce(values)
-    # a host sync, a step's only one; any rank's stop flag of 1 leaves the mean above 0
-    *means, stop = (values / world_size).tolist()
-    return dict(zip(metrics, means)), stop > 0
+    means = (values / world_size).tolist()  # a host sync, a step's only one
+    return dict(zip(metrics, means))
 # ---- end shared: signals ----
 
 
@@ -1655,11 +1700,17 @@ def ranged(kind, low, high=float("inf"), low_open=False, high_open=False):
 positive_int, nonneg_int = ranged(int, 1), ranged(int, 0)
 
 
-def refuse_ignored(p, args, modes):
-    """A flag given (a value other than its default) in a mode that does nothing with it is one error line,
-    not silently dropped. modes maps the words naming a mode to (whether it is on, the flags it ignores)."""
+def given_flags(argv=None):
+    """The names of the flags given in argv (sys.argv's): a flag not given may take another value later (a preset's,
+    a continued run's), one given keeps its own."""
+    return {arg[2:].split("=")[0] for arg in (sys.argv[1:] if argv is None else argv) if arg.startswith("--")}
+
+
+def refuse_ignored(argv, modes):
+    """A flag given in a mode that does nothing with it is one error line, not silently dropped. modes maps the
+    words naming a mode to (whether it is on, the flags it ignores)."""
     for mode, (on, ignored) in modes.items():
-        given = [name for name in ignored if on and getattr(args, name) != p.get_default(name)]
+        given = [name for name in ignored if on and name in given_flags(argv)]
         if given:
             die(f"--{given[0]} does nothing with {mode}; drop it")
 # ---- end shared: flags ----

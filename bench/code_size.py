@@ -4,9 +4,14 @@ docstring one token whatever its length (the module's none), so that neither com
 onto fewer lines changes the count. This is issue 30's measure: it gives that issue's table for its commit 42d6ae7.
 
     python bench/code_size.py            # a table: lines, code tokens, lines over 120 characters
+
+Below the table: the code tokens that train_gpt2.py and mid_train.py share outside their marked shared blocks (every
+maximal run of 8 or more identical code tokens common to the two, greedily matched, summed; issue 54's measure,
+as ../shared/tools/trainer_overlap.py counts it): copy that no sync tool keeps the same.
 """
 
 import ast
+import difflib
 import io
 import os
 import sys
@@ -27,10 +32,32 @@ def docstrings(source):
             and isinstance(node.body[0].value.value, str)}
 
 
-def code_tokens(source):
+def tokens(source):
     docs = docstrings(source)
-    return sum(1 for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type not in LAYOUT
-               and not (t.type == tokenize.STRING and docs.get(t.start[0])))
+    return [t for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type not in LAYOUT
+            and not (t.type == tokenize.STRING and docs.get(t.start[0]))]
+
+
+def code_tokens(source):
+    return len(tokens(source))
+
+
+def unsynced_tokens(source):
+    """The code tokens outside the `# ---- shared: NAME ----` blocks, as strings."""
+    inside, skipped = False, set()
+    for number, line in enumerate(source.splitlines(), 1):
+        inside = inside or line.startswith("# ---- shared: ")
+        if inside:
+            skipped.add(number)
+        inside = inside and not line.startswith("# ---- end shared: ")
+    return [t.string for t in tokens(source) if t.start[0] not in skipped]
+
+
+def trainers_overlap():
+    """Code tokens common to the two trainers outside their shared blocks, in runs of at least 8."""
+    a, b = (unsynced_tokens(open(os.path.join(ROOT, name)).read()) for name in ("train_gpt2.py", "mid_train.py"))
+    blocks = difflib.SequenceMatcher(None, a, b, autojunk=False).get_matching_blocks()
+    return sum(block.size for block in blocks if block.size >= 8)
 
 
 if __name__ == "__main__":
@@ -40,3 +67,4 @@ if __name__ == "__main__":
             source = f.read()
         lines = source.splitlines()
         print(f"{name:<20} {len(lines):>6,} {code_tokens(source):>12,} {sum(len(l) > 120 for l in lines):>12}")
+    print(f"\ncode tokens common to train_gpt2.py and mid_train.py outside shared blocks: {trainers_overlap():,}")

@@ -187,7 +187,8 @@ def test_a_dry_run_writes_nothing_and_flags_that_do_nothing_are_refused(shards, 
         assert proc.returncode == 2 and proc.stderr == f"error: {flag} does nothing with {mode}; drop it\n"
     # evals and checkpoints off
     off = tmp_path / "off"
-    run("train_gpt2.py", *TINY, "--data_dir", shards, "--out_dir", off, "--max_steps", 2, "--eval_every", 0,
+    no_evals = TINY[: TINY.index("--num_samples")] + ["--compile", "off"]  # no eval flags: they would be refused
+    run("train_gpt2.py", *no_evals, "--data_dir", shards, "--out_dir", off, "--max_steps", 2, "--eval_every", 0,
         "--save_every", 0, check=True)
     assert not checkpoints(off) and not any("val_loss" in r for r in read_log(off))
     assert json.loads((off / "summary.json").read_text())["best_val_loss"] is None
@@ -231,3 +232,95 @@ def test_a_midtraining_step_with_nothing_to_learn_is_skipped(base_ckpt, tmp_path
                "--num_samples", 0, "--val_fraction", 0.2, "--max_steps", 12, check=True)
     assert "no token to learn in its rows: skipped" in proc.stdout
     assert all(r["loss"] > 0 for r in read_log(tmp_path / "mid") if "loss" in r)
+
+
+def test_a_new_run_into_a_folder_with_a_log_but_no_checkpoint_is_refused(shards, tmp_path):
+    """Issue 56.2: a run that saved no checkpoint (--save_every 0, or killed before its first save) leaves only its
+    log and summary; a new run into that folder must not empty the one and replace the other."""
+    out = tmp_path / "nosave"
+    command = [*TINY, "--data_dir", shards, "--out_dir", out, "--max_steps", 2, "--eval_every", 2]
+    run("train_gpt2.py", *command, "--save_every", 0, check=True)
+    log, summary = (out / "log.jsonl").read_bytes(), (out / "summary.json").read_bytes()
+    proc = run("train_gpt2.py", *command)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --out_dir") and "no checkpoint" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert (out / "log.jsonl").read_bytes() == log and (out / "summary.json").read_bytes() == summary
+
+
+def test_pruning_neither_counts_nor_deletes_an_unreadable_checkpoint(shards, tmp_path):
+    """Issue 56.3: an unreadable ckpt_2 among the kept ones must not push the readable ckpt_1 out."""
+    out = tmp_path / "prune"
+    command = [*TINY, "--data_dir", shards, "--out_dir", out, "--save_every", 1, "--keep_checkpoints", 3]
+    run("train_gpt2.py", *command, "--max_steps", 3, check=True)
+    (out / "ckpt_0000002.pt").write_bytes(b"not a checkpoint")
+    run("train_gpt2.py", *command, "--max_steps", 4, check=True)
+    assert checkpoints(out) == ["ckpt_0000001.pt", "ckpt_0000002.pt", "ckpt_0000003.pt", "ckpt_0000004.pt"]
+
+
+def test_a_continued_run_logs_the_val_loss_of_the_step_it_goes_on_from(shards, tmp_path):
+    """Issue 56.4: the final eval of a run (step 5, off the --eval_every 4 grid) is in the log after the run goes on,
+    with the value the first run logged."""
+    out = tmp_path / "offgrid"
+    command = [*TINY, "--data_dir", shards, "--out_dir", out, "--eval_every", 4, "--save_every", 100]
+    run("train_gpt2.py", *command, "--max_steps", 5, check=True)
+    first = {r["step"]: r["val_loss"] for r in read_log(out) if "val_loss" in r}
+    run("train_gpt2.py", *command, "--max_steps", 8, check=True)
+    after = {r["step"]: r["val_loss"] for r in read_log(out) if "val_loss" in r}
+    assert sorted(after) == [0, 4, 5, 8], after
+    assert after[5] == first[5]
+
+
+def test_an_optimizer_state_that_does_not_fit_is_one_line(shards, tmp_path):
+    """Issue 56.9: a fork unties the head (a new weight, the same number of parameter groups) and continues a run of
+    the tied model: one error line, not torch's traceback from the optimizer's state."""
+    out = tmp_path / "untied"
+    command = [*TINY, "--data_dir", shards, "--out_dir", out, "--eval_every", 100, "--save_every", 2]
+    run("train_gpt2.py", *command, "--max_steps", 2, check=True)
+    source = open(os.path.join(REPO, "train_gpt2.py")).read()
+    tie = "        self.transformer.wte.weight = self.lm_head.weight  # tied input and output embeddings\n"
+    assert tie in source
+    fork = tmp_path / "train_gpt2.py"
+    fork.write_text(source.replace(tie, ""))
+    proc = subprocess.run([sys.executable, str(fork), *map(str, command), "--max_steps", 4], capture_output=True,
+                          text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO, timeout=600)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "optimizer" in lines[0], proc.stderr[-3000:]
+    assert checkpoints(out) == ["ckpt_0000002.pt"]
+
+
+def test_when_stdout_fails_the_run_goes_on_and_says_so_on_stderr(shards, tmp_path):
+    """Issue 56.14: stdout's reader goes away (a closed pipe); the run finishes, and stderr says why it went quiet."""
+    out = tmp_path / "quiet"
+    cmd = [sys.executable, os.path.join(REPO, "train_gpt2.py"), *map(str, TINY), "--data_dir", shards,
+           "--out_dir", str(out), "--max_steps", 6, "--eval_every", 6]
+    proc = subprocess.Popen(list(map(str, cmd)), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc.stdout.readline()
+    proc.stdout.close()
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 0, stderr
+    assert stderr.count("stdout failed") == 1 and "the run goes on" in stderr, stderr
+    assert (out / "summary.json").exists()
+
+
+def test_a_dry_run_leaves_nothing_behind_on_any_exit(shards, tmp_path):
+    """Issue 55.4: a dry run reads and writes no folder: stopped by a signal it says it keeps nothing, and neither a
+    stop nor an error leaves a file anywhere (a temporary folder included)."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(scratch)}
+    cmd = [sys.executable, os.path.join(REPO, "train_gpt2.py"), *map(str, TINY), "--data_dir", shards, "--dry_run",
+           "--max_steps", 100000, "--eval_every", 100000]
+    proc = subprocess.Popen(list(map(str, cmd)), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    for line in proc.stdout:
+        if line.startswith("step     2/"):
+            break
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    assert "a dry run keeps nothing" in stdout and "continues the run" not in stdout
+    failed = subprocess.run([*map(str, cmd[:2]), *map(str, TINY), "--data_dir", tmp_path / "none", "--dry_run"],
+                            cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert failed.returncode == 2
+    assert sorted(os.listdir(tmp_path)) == ["tmp"] and os.listdir(scratch) == []
