@@ -247,15 +247,15 @@ def main(argv=None):
 
     # ---- pick up where an earlier run of the same recipe stopped: its manifest.json lists the shards it
     # wrote (each renamed whole into place before it is listed), and the token stream goes on after the last
-    # of them. The recipe is everything that shapes the shards, each input file with its size and time: a
-    # file added, removed or changed since then would mix shards of two streams, so it is refused. A damaged
-    # manifest.json counts as no progress.
-    inputs = args.files or (glob.glob(f"{args.dataset}/**", recursive=True) if os.path.isdir(args.dataset)
-                            else [])
+    # of them. The recipe is everything that shapes the shards, each input file with its size and time, in
+    # the order read: a file added, removed, changed or moved in the order since then would mix shards of two
+    # streams, so it is refused. A damaged manifest.json counts as no progress.
+    dataset_files = sorted(glob.glob(f"{args.dataset}/**", recursive=True)) if os.path.isdir(args.dataset) else []
+    inputs = args.files or dataset_files
     recipe = dict(source=source, text_field=args.text_field, shard_size=args.shard_size,
                   tokenizer="tiktoken gpt2",
                   files=[[os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns]
-                         for f in sorted(inputs) if os.path.isfile(f)])
+                         for f in inputs if os.path.isfile(f)])
     manifest_path = os.path.join(args.out_dir, "manifest.json")
     previous, shards, complete = {}, [], False
     if os.path.exists(manifest_path):
@@ -268,8 +268,8 @@ def main(argv=None):
         changed = [key for key in recipe if previous.get(key) != recipe[key]]
         if changed:
             die(f"{args.out_dir} holds shards made otherwise: its manifest.json differs from this run in "
-                f"{', '.join(changed)} (an input file added, removed or changed counts); run it as it was "
-                f"made, or give another --out_dir (or empty this one)")
+                f"{', '.join(changed)} (an input file added, removed, changed or given in another order counts); run "
+                f"it as it was made, or give another --out_dir (or empty this one)")
         shards, complete = previous["shards"], previous["complete"]
     start_doc, start_offset = (shards[-1]["end_doc"], shards[-1]["end_offset"]) if shards else (0, 0)
     if shards:

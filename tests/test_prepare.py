@@ -194,3 +194,28 @@ def test_a_rerun_on_other_input_is_refused_and_the_trainer_reads_only_listed_sha
     assert [os.path.basename(f) for f in find_shards(str(out), "train")] == listed
     note = "not using 1 train shard(s) that its manifest.json does not list (out_train_000099.bin)"
     assert note in capsys.readouterr().out
+
+
+def test_a_stopped_prepare_run_again_with_its_inputs_in_another_order_is_refused(tmp_path):
+    """The documents are read in the order the --input files are given, so that order shapes the shards: a
+    run stopped part way and run again with the files reordered would repeat some documents and drop others.
+    It is refused, and the same order goes on to the shards of a run never stopped."""
+    src, straight, stopped = tmp_path / "src", tmp_path / "a" / "x", tmp_path / "b" / "x"
+    src.mkdir()
+    for path in stdlib_files(6):
+        (src / os.path.basename(path)).write_bytes(open(path, "rb").read())
+    files = sorted(str(f) for f in src.iterdir())
+    given = files[3:] + files[:3]
+    args = ["--shard_size", 4000, "--workers", 1]
+    run("prepare_fineweb.py", "--input", *given, *args, "--out_dir", straight, check=True)
+    run("prepare_fineweb.py", "--input", *given, *args, "--out_dir", stopped, check=True)
+    # stopped after 2 shards: the manifest as an interrupted run leaves it
+    manifest = json.load(open(stopped / "manifest.json"))
+    json.dump({**manifest, "shards": manifest["shards"][:2], "complete": False}, open(stopped / "manifest.json", "w"))
+    proc = run("prepare_fineweb.py", "--input", *files, *args, "--out_dir", stopped)
+    assert proc.returncode == 2 and "differs from this run in files" in proc.stderr, proc.stderr
+    run("prepare_fineweb.py", "--input", *given, *args, "--out_dir", stopped, check=True)
+    a_files, a = read_shards(straight)
+    b_files, b = read_shards(stopped)
+    assert len(a) > 3 and [os.path.basename(f) for f in a_files] == [os.path.basename(f) for f in b_files]
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
