@@ -257,20 +257,17 @@ def main(argv=None):
                   files=[[os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns]
                          for f in inputs if os.path.isfile(f)])
     manifest_path = os.path.join(args.out_dir, "manifest.json")
-    previous, shards, complete = {}, [], False
-    if os.path.exists(manifest_path):
-        try:
-            previous = json.load(open(manifest_path))
-        except ValueError:
-            print(f"{manifest_path} is unreadable; its progress is lost, so the shards are made again from the first "
-                  f"one", file=sys.stderr)
+    previous, shards, complete = read_manifest(manifest_path), [], False
+    if previous == {}:
+        print(f"{manifest_path} is unreadable; its progress is lost, so the shards are made again from the first "
+              f"one", file=sys.stderr)
     if previous:
         changed = [key for key in recipe if previous.get(key) != recipe[key]]
         if changed:
             die(f"{args.out_dir} holds shards made otherwise: its manifest.json differs from this run in "
                 f"{', '.join(changed)} (an input file added, removed, changed or given in another order counts); run "
                 f"it as it was made, or give another --out_dir (or empty this one)")
-        shards, complete = previous["shards"], previous["complete"]
+        shards, complete = previous["shards"], previous.get("complete") is True
     start_doc, start_offset = (shards[-1]["end_doc"], shards[-1]["end_offset"]) if shards else (0, 0)
     if shards:
         print(f"skipping {len(shards)} finished shard(s) in {args.out_dir}")
@@ -359,6 +356,32 @@ def refuse_ignored(p, args, modes):
         if given:
             die(f"--{given[0]} does nothing with {mode}; drop it")
 # ---- end shared: flags ----
+
+
+# ---- shared: manifest ----
+def read_manifest(path):
+    """prepare_fineweb.py's manifest.json: the recipe that shaped a folder's shards, and the shards written so
+    far, each {file, tokens, end_doc, end_offset}; complete is true once all are. None where there is none, {}
+    where it is damaged (not JSON): no progress. Any other shape (another tool's manifest.json, a folder so
+    named) is one error line: a guess would mix or drop shards."""
+    if not os.path.lexists(path):
+        return None
+    why = "its shards are not a list of {file, tokens, end_doc, end_offset}"
+    try:
+        with open(path, "rb") as f:
+            manifest = json.load(f)
+    except ValueError:
+        return {}
+    except OSError as e:
+        manifest, why = None, e.strerror
+    shards = manifest.get("shards") if isinstance(manifest, dict) else None
+    if not isinstance(shards, list) or not all(
+            isinstance(s, dict) and isinstance(s.get("file"), str)
+            and all(isinstance(s.get(key), int) for key in ("tokens", "end_doc", "end_offset")) for s in shards):
+        die(f"{path} is not a manifest that prepare_fineweb.py wrote ({why}); move it out of the folder, or give "
+            f"another folder")
+    return manifest
+# ---- end shared: manifest ----
 
 
 # ---- shared: out_dir ----

@@ -219,3 +219,27 @@ def test_a_stopped_prepare_run_again_with_its_inputs_in_another_order_is_refused
     b_files, b = read_shards(stopped)
     assert len(a) > 3 and [os.path.basename(f) for f in a_files] == [os.path.basename(f) for f in b_files]
     assert all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("damage", ["a_list", "no_shards", "end_doc_text", "a_folder"])
+def test_a_manifest_of_another_shape_is_one_error_line_in_prepare_and_in_the_trainer(damage, tmp_path):
+    """A manifest.json that prepare_fineweb.py did not write (another tool's, or edited by hand), or a folder of
+    that name: neither a prepare going on from it nor the trainer guesses; each says so in one line."""
+    out = tmp_path / "data"
+    args = ["--input", *stdlib_files(4), "--out_dir", out, "--shard_size", 2000, "--workers", 1]
+    run("prepare_fineweb.py", *args, check=True)
+    manifest = json.load(open(out / "manifest.json"))
+    (out / "manifest.json").unlink()
+    if damage == "a_folder":
+        (out / "manifest.json").mkdir()
+    else:
+        manifest["shards"][-1]["end_doc"] = "12"
+        manifest = {"a_list": manifest["shards"], "no_shards": {"complete": True},
+                    "end_doc_text": manifest}[damage]
+        (out / "manifest.json").write_text(json.dumps(manifest))
+    for proc in (run("prepare_fineweb.py", *args),
+                 run("train_gpt2.py", "--data_dir", out, "--out_dir", tmp_path / "run", "--device", "cpu")):
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: {out / 'manifest.json'} is not a manifest that "
+                                                       f"prepare_fineweb.py wrote"), proc.stderr
