@@ -59,6 +59,8 @@ def get_args(argv=None):
     if args.demo:  # the preset changes the defaults; flags given explicitly still win
         p.set_defaults(out_dir="data/demo", shard_size=65_536)  # of 373K tokens
         args = p.parse_args(argv)
+    if args.out_dir == "":
+        die("--out_dir '' names no folder to write the shards into; give a folder's path")
     args.out_dir = args.out_dir or f"data/{os.path.basename(args.dataset)}-{args.config.removeprefix('sample-')}"
     args.files = []
     for pattern in args.input:
@@ -268,6 +270,15 @@ def main(argv=None):
                 f"{', '.join(changed)} (an input file added, removed, changed or given in another order counts); run "
                 f"it as it was made, or give another --out_dir (or empty this one)")
         shards, complete = previous["shards"], previous.get("complete") is True
+        # A listed shard deleted or cut short since (by hand, a copy of the folder that stopped part way): the
+        # stream is made again from it, as it was. A whole shard is the header's 256 int32, then 2 bytes a token.
+        paths = [os.path.join(args.out_dir, s["file"]) for s in shards]
+        whole = [os.path.isfile(path) and os.path.getsize(path) == 1024 + 2 * s["tokens"]
+                 for path, s in zip(paths, shards)]
+        if not all(whole):
+            print(f"{paths[whole.index(False)]}, which manifest.json lists, is missing or not whole: the shards are "
+                  f"made again from it", file=sys.stderr)
+            shards, complete = shards[:whole.index(False)], False
     start_doc, start_offset = (shards[-1]["end_doc"], shards[-1]["end_offset"]) if shards else (0, 0)
     if shards:
         print(f"skipping {len(shards)} finished shard(s) in {args.out_dir}")

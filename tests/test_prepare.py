@@ -243,3 +243,26 @@ def test_a_manifest_of_another_shape_is_one_error_line_in_prepare_and_in_the_tra
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"error: {out / 'manifest.json'} is not a manifest that "
                                                        f"prepare_fineweb.py wrote"), proc.stderr
+
+
+def test_a_listed_shard_deleted_or_cut_short_is_made_again(tmp_path):
+    """The trainer refuses a folder that lacks a shard its manifest lists, and tells the user to run the prepare
+    command again: that command makes the shard again (and those after it, the same stream), saying so."""
+    out = tmp_path / "x"
+    args = ["--input", *stdlib_files(6), "--out_dir", out, "--shard_size", 4000, "--workers", 1]
+    run("prepare_fineweb.py", *args, check=True)
+    shards = {p.name: p.read_bytes() for p in out.glob("*.bin")}
+    assert len(shards) > 3
+    (out / "x_train_000002.bin").unlink()
+    (out / "x_train_000003.bin").write_bytes(shards["x_train_000003.bin"][:-2])
+    for gone in ("x_train_000002.bin", "x_train_000003.bin"):
+        proc = run("prepare_fineweb.py", *args, check=True)
+        assert f"{out / gone}, which manifest.json lists, is missing or not whole" in proc.stderr, proc.stderr
+        assert {p.name: p.read_bytes() for p in out.glob("*.bin")} == shards
+        assert json.load(open(out / "manifest.json"))["complete"] is True
+        (out / "x_train_000003.bin").write_bytes(shards["x_train_000003.bin"][:-2])
+    # an empty --out_dir is one line, not the default folder under the working directory
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "prepare_fineweb.py"), *map(str, args[:-6]),
+                           "--out_dir", "", "--workers", "1"], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --out_dir '' names no folder"), proc.stderr
+    assert proc.stderr.count("\n") == 1 and not (tmp_path / "data").exists()
