@@ -69,6 +69,9 @@ def get_args(argv=None):
             die(f"--input {pattern} matches no file, or a file that is not .txt (.md, .py), .jsonl or .parquet; "
                 f"check the path or quote the glob")
         args.files += matches
+    text_files_only = args.files and not any(f.endswith((".jsonl", ".parquet")) for f in args.files)
+    refuse_ignored(p, args, {"--input": (args.input, ["config"]), "--demo": (args.demo, ["config", "text_field"]),
+                             ".txt (.md, .py) files, a document each": (text_files_only, ["text_field"])})
     return args
 
 

@@ -116,11 +116,18 @@ def test_offline_hub_fails_at_once_pointing_to_input(tmp_path):
     assert proc.returncode == 2 and "--input" in proc.stderr and time.time() - start < 30
 
 
-@pytest.mark.parametrize("case", ["no_match", "missing_field", "unreadable", "bad_json", "folder_config"])
+@pytest.mark.parametrize("case", ["no_match", "missing_field", "unreadable", "bad_json", "folder_config",
+                                  "config_with_input", "text_field_with_txt"])
 def test_bad_input_gives_one_line_error(case, tmp_path):
     expect = {"no_match": "matches no file", "missing_field": "no field 'text'", "unreadable": "cannot read",
-              "bad_json": "a.jsonl:2 (JSONDecodeError", "folder_config": "check --dataset and --config"}[case]
-    if case == "no_match":
+              "bad_json": "a.jsonl:2 (JSONDecodeError", "folder_config": "check --dataset and --config",
+              "config_with_input": "--config does nothing with --input; drop it",
+              "text_field_with_txt": "--text_field does nothing with .txt (.md, .py) files"}[case]
+    if case in ("config_with_input", "text_field_with_txt"):  # a flag that the source given does not use
+        (tmp_path / "a.txt").write_text("hello\n")
+        source = ["--input", str(tmp_path / "a.txt"),
+                  *(["--config", "sample-100BT"] if case == "config_with_input" else ["--text_field", "body"])]
+    elif case == "no_match":
         source = ["--input", str(tmp_path / "nothing*.jsonl")]
     elif case == "missing_field":
         (tmp_path / "a.jsonl").write_text(json.dumps({"content": "hello"}) + "\n")
