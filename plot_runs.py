@@ -25,6 +25,8 @@ GPT2_HELLASWAG = 0.2955
 # what prepare_fineweb.py writes into its manifest.json for its default data, FineWeb-Edu sample-10BT
 FINEWEB_EDU_SOURCE = "hub: HuggingFaceFW/fineweb-edu sample-10BT"
 METRICS = ("loss", "val_loss", "hellaswag_acc_norm")
+# the other fields of a record that the table and the picture compute with
+NUMBERS = ("tokens", "ms", "tok_per_s", "mfu")
 # flags in which two runs of one experiment differ anyway
 NOT_COMPARED = ("out_dir", "resume", "resume_checkpoint", "run", "dry_run")
 DATA_FLAGS = ("data_dir", "data", "val_fraction", "seed")  # flags that change what a run reads
@@ -41,12 +43,14 @@ def get_args(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     p.error = die
     p.add_argument("runs", nargs="+", help="run folders: the --out_dir of train_gpt2.py or mid_train.py")
-    p.add_argument("--out", default="runs.png", help="the PNG to write")
+    p.add_argument("--out", default="runs.png", help="the PNG to write (its name ends in .png)")
     p.add_argument("--smooth", type=float, default=0.8,
                    help="weight of the train loss's running mean, 0 to 1 (0: none), as TensorBoard's slider")
     args = p.parse_args(argv)
     if not 0 <= args.smooth < 1:
         die(f"--smooth {args.smooth}: give a weight from 0 up to (not including) 1")
+    if not args.out.lower().endswith(".png"):  # matplotlib would write another format, or add .png to the name
+        die(f"--out {args.out}: the picture is a PNG; give a file name ending in .png")
     return args
 
 
@@ -72,6 +76,8 @@ def read_run(run_dir):
             series, flags = read_log(f)
     except OSError as e:
         die(f"cannot read {path} ({e.strerror}); give the --out_dir of a train_gpt2.py or mid_train.py run")
+    except ValueError as e:  # a record of the log's own kind with a field that is not a number
+        die(f"{path}:{e}; fix or remove that line")
     if not any(series.values()):
         die(f"{path} holds no loss record; give the --out_dir of a train_gpt2.py or mid_train.py run that has "
             f"trained a step")
@@ -80,16 +86,20 @@ def read_run(run_dir):
 
 def read_log(lines):
     """The records of a log.jsonl by metric, {metric: {step: record}}, and the run's flags where a record
-    holds them (else None). The records of a resumed run that are past its checkpoint are dropped."""
+    holds them (else None). The records of a resumed run that are past its checkpoint are dropped. A record
+    whose tokens, ms, tok_per_s or mfu is not a number is a ValueError naming its line."""
     series = {metric: {} for metric in METRICS}
     flags, last_step = None, -1
-    for line in lines:
+    for line_no, line in enumerate(lines, 1):
         try:
             record = json.loads(line)
         except ValueError:  # a half-written line: the run is writing it, or was killed as it did
             continue
         if not isinstance(record, dict):
             continue
+        for key in NUMBERS:
+            if key in record and not isinstance(record[key], (int, float)):
+                raise ValueError(f"{line_no}: its {key} is {record[key]!r}, not a number")
         for key in ("flags", "args"):
             if isinstance(record.get(key), dict):
                 flags = record[key]

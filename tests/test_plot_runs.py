@@ -129,9 +129,15 @@ def test_without_matplotlib_the_table_then_one_error_line(tmp_path):
 @pytest.mark.parametrize("argv,expect", [(["{tmp}/none"], "cannot read {tmp}/none/log.jsonl"),
                                          (["{tmp}", "--smooth", "1"], "--smooth 1.0: give a weight"),
                                          (["{tmp}", "--out", "{tmp}/no/such/dir.png"], "cannot write"),
-                                         (["{tmp}", "{tmp}/garbled"], "{tmp}/garbled/log.jsonl holds no loss record")])
+                                         (["{tmp}", "{tmp}/garbled"], "{tmp}/garbled/log.jsonl holds no loss record"),
+                                         (["{tmp}", "--out", "{tmp}/x.txt"], "--out {tmp}/x.txt: the picture is a PNG"),
+                                         (["{tmp}", "--out", "{tmp}/runs"], "--out {tmp}/runs: the picture is a PNG"),
+                                         (["{tmp}/tokens"], "{tmp}/tokens/log.jsonl:2: its tokens is '1.2M', not a"),
+                                         (["{tmp}/tok_per_s"], "{tmp}/tok_per_s/log.jsonl:1: its tok_per_s is None")])
 def test_bad_input_is_one_error_line(argv, expect, tmp_path, capsys):
     write_log(tmp_path, [train(0, 10.0)])
+    write_log(tmp_path / "tokens", [train(0, 10.0), train(1, 9.0, tokens="1.2M")])
+    write_log(tmp_path / "tok_per_s", [train(0, 10.0, tok_per_s=None)])
     (tmp_path / "garbled").mkdir()
     (tmp_path / "garbled" / "log.jsonl").write_bytes(bytes(range(256)) * 8)  # not a log: no record in it
     with pytest.raises(SystemExit) as exit_info:
