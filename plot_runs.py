@@ -133,12 +133,19 @@ def checkpoint_flags(run_dir):
 
 
 def tokens_at(run, metric):
-    """The (tokens seen, value) points of a metric. A train record counts its own step's tokens; an eval at
-    step s comes before step s trains, so it has seen s steps' tokens."""
-    train = run["series"]["loss"]
-    tokens_per_step = next((r["tokens"] / (s + 1) for s, r in train.items() if "tokens" in r), 0)
+    """The (tokens seen, value) points of a metric, at a record's own tokens where it has them. A train
+    record counts its own step's tokens; an eval at step s comes before step s trains, so it has seen s
+    steps' tokens: read off the train records around it, which count them step by step (the steps' size may
+    change, with --total_batch_size on resume), linearly between two, and past the last at its rate."""
+    # (steps trained, tokens seen) after each logged train step
+    seen = [(0, 0)] + [(s + 1, r["tokens"]) for s, r in sorted(run["series"]["loss"].items()) if "tokens" in r]
+    spans = list(zip(seen, seen[1:])) or [((0, 0), (1, 0))]
+
+    def tokens_before(step):
+        (s0, t0), (s1, t1) = next((span for span in spans if step <= span[1][0]), spans[-1])
+        return t0 + (step - s0) * (t1 - t0) / (s1 - s0)
     points = sorted(run["series"][metric].items())
-    return [(r.get("tokens", step * tokens_per_step), r[metric]) for step, r in points]
+    return [(r["tokens"] if "tokens" in r else tokens_before(step), r[metric]) for step, r in points]
 
 
 # -----------------------------------------------------------------------------

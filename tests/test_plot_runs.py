@@ -65,6 +65,22 @@ def test_a_midtraining_runs_val_points_sit_at_the_tokens_seen_before_their_step(
     assert plot_runs.tokens_at(run, "loss") == [(4096, 7.6), (8192, 7.0), (12288, 6.5)]
 
 
+def test_val_points_follow_a_change_of_batch_size_on_resume(tmp_path):
+    # 100 tokens a step up to step 5, then resumed with --total_batch_size 300, logged every 2 steps: each eval
+    # sits at the tokens seen before its step, read off the train records around it; a val record's own
+    # tokens where it has them
+    records = [{"step": 0, "val_loss": 11.0}, *[train(s, 10.0 - s) for s in range(5)], {"step": 5, "val_loss": 6.0},
+               *[{**train(s, 5.0), "tokens": 500 + (s - 4) * 300} for s in (5, 7, 9)],
+               {"step": 8, "val_loss": 5.0}, {"step": 10, "val_loss": 4.0}, {"step": 11, "val_loss": 3.9},
+               {"step": 12, "val_loss": 3.8, "tokens": 2345}]
+    run_dir = write_log(tmp_path / "run", records)
+    run = plot_runs.read_run(run_dir)
+    assert plot_runs.tokens_at(run, "val_loss") == [(0, 11.0), (500, 6.0), (1400, 5.0), (2000, 4.0), (2300, 3.9),
+                                                    (2345, 3.8)]
+    plot_runs.main([run_dir, "--out", str(tmp_path / "run.png")])
+    assert (tmp_path / "run.png").stat().st_size > 0
+
+
 def test_the_table_and_the_flags_that_differ(tmp_path, capsys):
     log_a = [{"flags": {"lr": 3e-3, "seed": 1, "out_dir": "a"}}, {"step": 0, "val_loss": 11.0},
              train(0, 10.0, mfu=0.30), {"step": 1, "val_loss": 9.0}, {"step": 1, "hellaswag_acc_norm": 0.25},
