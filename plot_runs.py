@@ -27,6 +27,10 @@ FINEWEB_EDU_SOURCE = "hub: HuggingFaceFW/fineweb-edu sample-10BT"
 METRICS = ("loss", "val_loss", "hellaswag_acc_norm")
 # the other fields of a record that the table and the picture compute with
 NUMBERS = ("tokens", "ms", "tok_per_s", "mfu")
+# The fields of the trainers' step records, drawn as the loss or given in the table or not a measure of training.
+# Any other number in a step record is a metric added to the step (in train_step): it gets a panel of its own.
+STEP_FIELDS = ("step", "loss", "last_loss", "lr", "grad_norm", "tokens", "ms", "tok_per_s", "mfu", "peak_mem_gib",
+               "eta_s", "time")
 # flags in which two runs of one experiment differ anyway
 NOT_COMPARED = ("out_dir", "resume", "resume_checkpoint", "run", "dry_run")
 DATA_FLAGS = ("data_dir", "data", "val_fraction", "seed")  # flags that change what a run reads
@@ -85,9 +89,10 @@ def read_run(run_dir):
 
 
 def read_log(lines):
-    """The records of a log.jsonl by metric, {metric: {step: record}}, and the run's flags where a record
-    holds them (else None). The records of a resumed run that are past its checkpoint are dropped. A record
-    whose tokens, ms, tok_per_s or mfu is not a number is a ValueError naming its line."""
+    """The records of a log.jsonl by metric, {metric: {step: record}} (METRICS, then any metric added to the
+    step records), and the run's flags where a record holds them (else None). The records of a resumed run
+    that are past its checkpoint are dropped. A record whose tokens, ms, tok_per_s or mfu is not a number is
+    a ValueError naming its line."""
     series = {metric: {} for metric in METRICS}
     flags, last_step = None, -1
     for line_no, line in enumerate(lines, 1):
@@ -117,6 +122,10 @@ def read_log(lines):
         for metric in METRICS:
             if isinstance(record.get(metric), (int, float)):
                 series[metric][step] = record
+        if step in series["loss"]:
+            for metric, value in record.items():
+                if metric not in STEP_FIELDS and isinstance(value, (int, float)):
+                    series.setdefault(metric, {})[step] = record
     return series, flags
 
 
@@ -245,7 +254,8 @@ def smoothed(values, weight):
 
 def plot(runs, out, smooth):
     """The train (smoothed; raw, faint) and val loss of each run against tokens seen, in a colour of its own;
-    HellaSwag beside them where a run logged it; GPT-2 124M's figures where they compare."""
+    HellaSwag beside them where a run logged it, then a panel for each metric added to the step, three panels
+    a row; GPT-2 124M's figures where they compare."""
     try:
         import matplotlib
     except ImportError:
@@ -255,8 +265,15 @@ def plot(runs, out, smooth):
     from matplotlib.ticker import EngFormatter, FormatStrFormatter
 
     with_hellaswag = any(run["series"]["hellaswag_acc_norm"] for run in runs)
-    fig, axes = plt.subplots(1, 1 + with_hellaswag, figsize=(7 + 5 * with_hellaswag, 4.5), squeeze=False)
-    loss_ax = axes[0][0]
+    added = sorted({metric for run in runs for metric in run["series"]} - set(METRICS))
+    panels = ["loss"] + ["hellaswag_acc_norm"] * with_hellaswag + added
+    columns = min(len(panels), 3)
+    rows = -(-len(panels) // columns)
+    fig, grid = plt.subplots(rows, columns, figsize=(7 + 5 * (columns - 1), 4.5 * rows), squeeze=False)
+    axes = dict(zip(panels, grid.flat))
+    for ax in grid.flat[len(panels):]:
+        ax.set_visible(False)
+    loss_ax = axes["loss"]
     for i, run in enumerate(runs):
         color = f"C{i}"
         if train := tokens_at(run, "loss"):
@@ -266,7 +283,10 @@ def plot(runs, out, smooth):
         if val := tokens_at(run, "val_loss"):
             loss_ax.plot(*zip(*val), "o--", color=color, markersize=4, label=f"{run['name']} val")
         if hellaswag := tokens_at(run, "hellaswag_acc_norm"):
-            axes[0][1].plot(*zip(*hellaswag), "o-", color=color, markersize=4, label=run["name"])
+            axes["hellaswag_acc_norm"].plot(*zip(*hellaswag), "o-", color=color, markersize=4, label=run["name"])
+        for metric in added:
+            if points := tokens_at(run, metric):
+                axes[metric].plot(*zip(*points), "o-", color=color, markersize=2, label=run["name"])
     if any(gpt2_val_applies(run["flags"]) for run in runs):
         loss_ax.axhline(GPT2_VAL_LOSS, color="gray", linestyle=":",
                         label=f"OpenAI GPT-2 124M val {GPT2_VAL_LOSS}")
@@ -275,10 +295,12 @@ def plot(runs, out, smooth):
     for axis_formatter in (loss_ax.yaxis.set_major_formatter, loss_ax.yaxis.set_minor_formatter):
         axis_formatter(FormatStrFormatter("%g"))
     if with_hellaswag:
-        axes[0][1].axhline(GPT2_HELLASWAG, color="gray", linestyle=":",
-                           label=f"OpenAI GPT-2 124M {GPT2_HELLASWAG}")
-        axes[0][1].set(title="HellaSwag", xlabel="tokens", ylabel="acc_norm")
-    for ax in axes[0]:
+        axes["hellaswag_acc_norm"].axhline(GPT2_HELLASWAG, color="gray", linestyle=":",
+                                           label=f"OpenAI GPT-2 124M {GPT2_HELLASWAG}")
+        axes["hellaswag_acc_norm"].set(title="HellaSwag", xlabel="tokens", ylabel="acc_norm")
+    for metric in added:
+        axes[metric].set(title=metric, xlabel="tokens")
+    for ax in axes.values():
         ax.xaxis.set_major_formatter(EngFormatter())
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

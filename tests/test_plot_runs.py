@@ -130,6 +130,23 @@ def test_a_real_run_and_a_synthetic_one_in_one_png(base_ckpt, tmp_path):
     assert matplotlib_image.imread(png).shape == (360, 960, 4)
 
 
+def test_a_metric_added_to_the_step_gets_a_panel_of_its_own(tmp_path, capsys):
+    matplotlib_image = pytest.importorskip("matplotlib.image")
+    # a run whose train_step adds max_logit (docs/forking.md's example) and aux_loss, from step 2 on
+    records = [{"step": 0, "val_loss": 11.0}, train(0, 10.0, max_logit=4.5), train(1, 9.0, max_logit=5.0),
+               train(2, 8.0, max_logit=5.5, aux_loss=0.1, note="not a number: no panel")]
+    run = plot_runs.read_run(write_log(tmp_path / "run", records))
+    assert plot_runs.tokens_at(run, "max_logit") == [(100, 4.5), (200, 5.0), (300, 5.5)]
+    assert plot_runs.tokens_at(run, "aux_loss") == [(300, 0.1)]
+    plot_runs.main([str(tmp_path / "run"), "--out", str(tmp_path / "run.png")])
+    # the loss, then aux_loss and max_logit beside it: 17 x 4.5 inches at 80 dpi
+    assert matplotlib_image.imread(tmp_path / "run.png").shape == (360, 1360, 4)
+    # with HellaSwag too, four panels: two rows of three
+    write_log(tmp_path / "run", records + [{"step": 3, "hellaswag_acc_norm": 0.26}])
+    plot_runs.main([str(tmp_path / "run"), "--out", str(tmp_path / "run.png")])
+    assert matplotlib_image.imread(tmp_path / "run.png").shape == (720, 1360, 4)
+
+
 def test_without_matplotlib_the_table_then_one_error_line(tmp_path):
     run_dir = write_log(tmp_path / "run", [train(0, 10.0)])
     # an import of matplotlib fails as where it is not installed
