@@ -25,6 +25,12 @@ GPT2_HELLASWAG = 0.2955
 # what prepare_fineweb.py writes into its manifest.json for its default data, FineWeb-Edu sample-10BT
 FINEWEB_EDU_SOURCE = "hub: HuggingFaceFW/fineweb-edu sample-10BT"
 METRICS = ("loss", "val_loss", "hellaswag_acc_norm")
+# the other fields of a record that the table and the picture compute with
+NUMBERS = ("tokens", "ms", "tok_per_s", "mfu")
+# The fields of the trainers' step records, drawn as the loss or given in the table or not a measure of training.
+# Any other number in a step record is a metric added to the step (in train_step): it gets a panel of its own.
+STEP_FIELDS = ("step", "loss", "last_loss", "lr", "grad_norm", "tokens", "ms", "tok_per_s", "mfu", "peak_mem_gib",
+               "eta_s", "time")
 # flags in which two runs of one experiment differ anyway
 NOT_COMPARED = ("out_dir", "resume", "resume_checkpoint", "run", "dry_run")
 DATA_FLAGS = ("data_dir", "data", "val_fraction", "seed")  # flags that change what a run reads
@@ -41,12 +47,14 @@ def get_args(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     p.error = die
     p.add_argument("runs", nargs="+", help="run folders: the --out_dir of train_gpt2.py or mid_train.py")
-    p.add_argument("--out", default="runs.png", help="the PNG to write")
+    p.add_argument("--out", default="runs.png", help="the PNG to write (its name ends in .png)")
     p.add_argument("--smooth", type=float, default=0.8,
                    help="weight of the train loss's running mean, 0 to 1 (0: none), as TensorBoard's slider")
     args = p.parse_args(argv)
     if not 0 <= args.smooth < 1:
         die(f"--smooth {args.smooth}: give a weight from 0 up to (not including) 1")
+    if not args.out.lower().endswith(".png"):  # matplotlib would write another format, or add .png to the name
+        die(f"--out {args.out}: the picture is a PNG; give a file name ending in .png")
     return args
 
 
@@ -72,6 +80,8 @@ def read_run(run_dir):
             series, flags = read_log(f)
     except OSError as e:
         die(f"cannot read {path} ({e.strerror}); give the --out_dir of a train_gpt2.py or mid_train.py run")
+    except ValueError as e:  # a record of the log's own kind with a field that is not a number
+        die(f"{path}:{e}; fix or remove that line")
     if not any(series.values()):
         die(f"{path} holds no loss record; give the --out_dir of a train_gpt2.py or mid_train.py run that has "
             f"trained a step")
@@ -79,17 +89,22 @@ def read_run(run_dir):
 
 
 def read_log(lines):
-    """The records of a log.jsonl by metric, {metric: {step: record}}, and the run's flags where a record
-    holds them (else None). The records of a resumed run that are past its checkpoint are dropped."""
+    """The records of a log.jsonl by metric, {metric: {step: record}} (METRICS, then any metric added to the
+    step records), and the run's flags where a record holds them (else None). The records of a resumed run
+    that are past its checkpoint are dropped. A record whose tokens, ms, tok_per_s or mfu is not a number is
+    a ValueError naming its line."""
     series = {metric: {} for metric in METRICS}
     flags, last_step = None, -1
-    for line in lines:
+    for line_no, line in enumerate(lines, 1):
         try:
             record = json.loads(line)
         except ValueError:  # a half-written line: the run is writing it, or was killed as it did
             continue
         if not isinstance(record, dict):
             continue
+        for key in NUMBERS:
+            if key in record and not isinstance(record[key], (int, float)):
+                raise ValueError(f"{line_no}: its {key} is {record[key]!r}, not a number")
         for key in ("flags", "args"):
             if isinstance(record.get(key), dict):
                 flags = record[key]
@@ -107,6 +122,10 @@ def read_log(lines):
         for metric in METRICS:
             if isinstance(record.get(metric), (int, float)):
                 series[metric][step] = record
+        if step in series["loss"]:
+            for metric, value in record.items():
+                if metric not in STEP_FIELDS and isinstance(value, (int, float)):
+                    series.setdefault(metric, {})[step] = record
     return series, flags
 
 
@@ -123,12 +142,19 @@ def checkpoint_flags(run_dir):
 
 
 def tokens_at(run, metric):
-    """The (tokens seen, value) points of a metric. A train record counts its own step's tokens; an eval at
-    step s comes before step s trains, so it has seen s steps' tokens."""
-    train = run["series"]["loss"]
-    tokens_per_step = next((r["tokens"] / (s + 1) for s, r in train.items() if "tokens" in r), 0)
+    """The (tokens seen, value) points of a metric, at a record's own tokens where it has them. A train
+    record counts its own step's tokens; an eval at step s comes before step s trains, so it has seen s
+    steps' tokens: read off the train records around it, which count them step by step (the steps' size may
+    change, with --total_batch_size on resume), linearly between two, and past the last at its rate."""
+    # (steps trained, tokens seen) after each logged train step
+    seen = [(0, 0)] + [(s + 1, r["tokens"]) for s, r in sorted(run["series"]["loss"].items()) if "tokens" in r]
+    spans = list(zip(seen, seen[1:])) or [((0, 0), (1, 0))]
+
+    def tokens_before(step):
+        (s0, t0), (s1, t1) = next((span for span in spans if step <= span[1][0]), spans[-1])
+        return t0 + (step - s0) * (t1 - t0) / (s1 - s0)
     points = sorted(run["series"][metric].items())
-    return [(r.get("tokens", step * tokens_per_step), r[metric]) for step, r in points]
+    return [(r["tokens"] if "tokens" in r else tokens_before(step), r[metric]) for step, r in points]
 
 
 # -----------------------------------------------------------------------------
@@ -228,7 +254,8 @@ def smoothed(values, weight):
 
 def plot(runs, out, smooth):
     """The train (smoothed; raw, faint) and val loss of each run against tokens seen, in a colour of its own;
-    HellaSwag beside them where a run logged it; GPT-2 124M's figures where they compare."""
+    HellaSwag beside them where a run logged it, then a panel for each metric added to the step, three panels
+    a row; GPT-2 124M's figures where they compare."""
     try:
         import matplotlib
     except ImportError:
@@ -238,8 +265,15 @@ def plot(runs, out, smooth):
     from matplotlib.ticker import EngFormatter, FormatStrFormatter
 
     with_hellaswag = any(run["series"]["hellaswag_acc_norm"] for run in runs)
-    fig, axes = plt.subplots(1, 1 + with_hellaswag, figsize=(7 + 5 * with_hellaswag, 4.5), squeeze=False)
-    loss_ax = axes[0][0]
+    added = sorted({metric for run in runs for metric in run["series"]} - set(METRICS))
+    panels = ["loss"] + ["hellaswag_acc_norm"] * with_hellaswag + added
+    columns = min(len(panels), 3)
+    rows = -(-len(panels) // columns)
+    fig, grid = plt.subplots(rows, columns, figsize=(7 + 5 * (columns - 1), 4.5 * rows), squeeze=False)
+    axes = dict(zip(panels, grid.flat))
+    for ax in grid.flat[len(panels):]:
+        ax.set_visible(False)
+    loss_ax = axes["loss"]
     for i, run in enumerate(runs):
         color = f"C{i}"
         if train := tokens_at(run, "loss"):
@@ -249,7 +283,10 @@ def plot(runs, out, smooth):
         if val := tokens_at(run, "val_loss"):
             loss_ax.plot(*zip(*val), "o--", color=color, markersize=4, label=f"{run['name']} val")
         if hellaswag := tokens_at(run, "hellaswag_acc_norm"):
-            axes[0][1].plot(*zip(*hellaswag), "o-", color=color, markersize=4, label=run["name"])
+            axes["hellaswag_acc_norm"].plot(*zip(*hellaswag), "o-", color=color, markersize=4, label=run["name"])
+        for metric in added:
+            if points := tokens_at(run, metric):
+                axes[metric].plot(*zip(*points), "o-", color=color, markersize=2, label=run["name"])
     if any(gpt2_val_applies(run["flags"]) for run in runs):
         loss_ax.axhline(GPT2_VAL_LOSS, color="gray", linestyle=":",
                         label=f"OpenAI GPT-2 124M val {GPT2_VAL_LOSS}")
@@ -258,10 +295,12 @@ def plot(runs, out, smooth):
     for axis_formatter in (loss_ax.yaxis.set_major_formatter, loss_ax.yaxis.set_minor_formatter):
         axis_formatter(FormatStrFormatter("%g"))
     if with_hellaswag:
-        axes[0][1].axhline(GPT2_HELLASWAG, color="gray", linestyle=":",
-                           label=f"OpenAI GPT-2 124M {GPT2_HELLASWAG}")
-        axes[0][1].set(title="HellaSwag", xlabel="tokens", ylabel="acc_norm")
-    for ax in axes[0]:
+        axes["hellaswag_acc_norm"].axhline(GPT2_HELLASWAG, color="gray", linestyle=":",
+                                           label=f"OpenAI GPT-2 124M {GPT2_HELLASWAG}")
+        axes["hellaswag_acc_norm"].set(title="HellaSwag", xlabel="tokens", ylabel="acc_norm")
+    for metric in added:
+        axes[metric].set(title=metric, xlabel="tokens")
+    for ax in axes.values():
         ax.xaxis.set_major_formatter(EngFormatter())
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

@@ -59,6 +59,8 @@ def get_args(argv=None):
     if args.demo:  # the preset changes the defaults; flags given explicitly still win
         p.set_defaults(out_dir="data/demo", shard_size=65_536)  # of 373K tokens
         args = p.parse_args(argv)
+    if args.out_dir == "":
+        die("--out_dir '' names no folder to write the shards into; give a folder's path")
     args.out_dir = args.out_dir or f"data/{os.path.basename(args.dataset)}-{args.config.removeprefix('sample-')}"
     args.files = []
     for pattern in args.input:
@@ -67,6 +69,9 @@ def get_args(argv=None):
             die(f"--input {pattern} matches no file, or a file that is not .txt (.md, .py), .jsonl or .parquet; "
                 f"check the path or quote the glob")
         args.files += matches
+    text_files_only = args.files and not any(f.endswith((".jsonl", ".parquet")) for f in args.files)
+    refuse_ignored(p, args, {"--input": (args.input, ["config"]), "--demo": (args.demo, ["config", "text_field"]),
+                             ".txt (.md, .py) files, a document each": (text_files_only, ["text_field"])})
     return args
 
 
@@ -247,30 +252,36 @@ def main(argv=None):
 
     # ---- pick up where an earlier run of the same recipe stopped: its manifest.json lists the shards it
     # wrote (each renamed whole into place before it is listed), and the token stream goes on after the last
-    # of them. The recipe is everything that shapes the shards, each input file with its size and time: a
-    # file added, removed or changed since then would mix shards of two streams, so it is refused. A damaged
-    # manifest.json counts as no progress.
-    inputs = args.files or (glob.glob(f"{args.dataset}/**", recursive=True) if os.path.isdir(args.dataset)
-                            else [])
+    # of them. The recipe is everything that shapes the shards, each input file with its size and time, in
+    # the order read: a file added, removed, changed or moved in the order since then would mix shards of two
+    # streams, so it is refused. A damaged manifest.json counts as no progress.
+    dataset_files = sorted(glob.glob(f"{args.dataset}/**", recursive=True)) if os.path.isdir(args.dataset) else []
+    inputs = args.files or dataset_files
     recipe = dict(source=source, text_field=args.text_field, shard_size=args.shard_size,
                   tokenizer="tiktoken gpt2",
                   files=[[os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns]
-                         for f in sorted(inputs) if os.path.isfile(f)])
+                         for f in inputs if os.path.isfile(f)])
     manifest_path = os.path.join(args.out_dir, "manifest.json")
-    previous, shards, complete = {}, [], False
-    if os.path.exists(manifest_path):
-        try:
-            previous = json.load(open(manifest_path))
-        except ValueError:
-            print(f"{manifest_path} is unreadable; its progress is lost, so the shards are made again from the first "
-                  f"one", file=sys.stderr)
+    previous, shards, complete = read_manifest(manifest_path), [], False
+    if previous == {}:
+        print(f"{manifest_path} is unreadable; its progress is lost, so the shards are made again from the first "
+              f"one", file=sys.stderr)
     if previous:
         changed = [key for key in recipe if previous.get(key) != recipe[key]]
         if changed:
             die(f"{args.out_dir} holds shards made otherwise: its manifest.json differs from this run in "
-                f"{', '.join(changed)} (an input file added, removed or changed counts); run it as it was "
-                f"made, or give another --out_dir (or empty this one)")
-        shards, complete = previous["shards"], previous["complete"]
+                f"{', '.join(changed)} (an input file added, removed, changed or given in another order counts); run "
+                f"it as it was made, or give another --out_dir (or empty this one)")
+        shards, complete = previous["shards"], previous.get("complete") is True
+        # A listed shard deleted or cut short since (by hand, a copy of the folder that stopped part way): the
+        # stream is made again from it, as it was. A whole shard is the header's 256 int32, then 2 bytes a token.
+        paths = [os.path.join(args.out_dir, s["file"]) for s in shards]
+        whole = [os.path.isfile(path) and os.path.getsize(path) == 1024 + 2 * s["tokens"]
+                 for path, s in zip(paths, shards)]
+        if not all(whole):
+            print(f"{paths[whole.index(False)]}, which manifest.json lists, is missing or not whole: the shards are "
+                  f"made again from it", file=sys.stderr)
+            shards, complete = shards[:whole.index(False)], False
     start_doc, start_offset = (shards[-1]["end_doc"], shards[-1]["end_offset"]) if shards else (0, 0)
     if shards:
         print(f"skipping {len(shards)} finished shard(s) in {args.out_dir}")
@@ -365,6 +376,32 @@ def refuse_ignored(argv, modes):
         if given:
             die(f"--{given[0]} does nothing with {mode}; drop it")
 # ---- end shared: flags ----
+
+
+# ---- shared: manifest ----
+def read_manifest(path):
+    """prepare_fineweb.py's manifest.json: the recipe that shaped a folder's shards, and the shards written so
+    far, each {file, tokens, end_doc, end_offset}; complete is true once all are. None where there is none, {}
+    where it is damaged (not JSON): no progress. Any other shape (another tool's manifest.json, a folder so
+    named) is one error line: a guess would mix or drop shards."""
+    if not os.path.lexists(path):
+        return None
+    why = "its shards are not a list of {file, tokens, end_doc, end_offset}"
+    try:
+        with open(path, "rb") as f:
+            manifest = json.load(f)
+    except ValueError:
+        return {}
+    except OSError as e:
+        manifest, why = None, e.strerror
+    shards = manifest.get("shards") if isinstance(manifest, dict) else None
+    if not isinstance(shards, list) or not all(
+            isinstance(s, dict) and isinstance(s.get("file"), str)
+            and all(isinstance(s.get(key), int) for key in ("tokens", "end_doc", "end_offset")) for s in shards):
+        die(f"{path} is not a manifest that prepare_fineweb.py wrote ({why}); move it out of the folder, or give "
+            f"another folder")
+    return manifest
+# ---- end shared: manifest ----
 
 
 # ---- shared: out_dir ----

@@ -290,6 +290,32 @@ def load_shard(path):
         die(f"{path} is not a whole token shard, truncated or damaged ({e}); re-create it with prepare_fineweb.py")
 
 
+# ---- shared: manifest ----
+def read_manifest(path):
+    """prepare_fineweb.py's manifest.json: the recipe that shaped a folder's shards, and the shards written so
+    far, each {file, tokens, end_doc, end_offset}; complete is true once all are. None where there is none, {}
+    where it is damaged (not JSON): no progress. Any other shape (another tool's manifest.json, a folder so
+    named) is one error line: a guess would mix or drop shards."""
+    if not os.path.lexists(path):
+        return None
+    why = "its shards are not a list of {file, tokens, end_doc, end_offset}"
+    try:
+        with open(path, "rb") as f:
+            manifest = json.load(f)
+    except ValueError:
+        return {}
+    except OSError as e:
+        manifest, why = None, e.strerror
+    shards = manifest.get("shards") if isinstance(manifest, dict) else None
+    if not isinstance(shards, list) or not all(
+            isinstance(s, dict) and isinstance(s.get("file"), str)
+            and all(isinstance(s.get(key), int) for key in ("tokens", "end_doc", "end_offset")) for s in shards):
+        die(f"{path} is not a manifest that prepare_fineweb.py wrote ({why}); move it out of the folder, or give "
+            f"another folder")
+    return manifest
+# ---- end shared: manifest ----
+
+
 def find_shards(data_dir, split):
     """The split's shards in name order: [PREFIX_]train[_N].bin, or val, or .npy (llm.c's and build-nanogpt's
     names). The split is the word right before the index, never "train" anywhere in the name
@@ -297,17 +323,12 @@ def find_shards(data_dir, split):
     a manifest.json), only the shards that its finished run lists."""
     shard = re.compile(rf"(^|_){split}(_\d+)?\.(bin|npy)$")
     names = sorted(os.listdir(data_dir)) if os.path.isdir(data_dir) else []
-    manifest_path = os.path.join(data_dir, "manifest.json")
-    if not os.path.exists(manifest_path):  # shards made by other tools: as they are
+    manifest = read_manifest(os.path.join(data_dir, "manifest.json"))
+    if manifest is None:  # shards made by other tools: as they are
         return [os.path.join(data_dir, name) for name in names if shard.search(name)]
     # A prepare still writing, or stopped, has not made the whole set: training on its shards so far would
     # read another stream than the finished folder, which a resume then refuses.
-    try:
-        with open(manifest_path) as f:
-            manifest = json.load(f)
-        listed = [s["file"] for s in manifest["shards"] if manifest["complete"] is True]
-    except (ValueError, KeyError, TypeError):
-        listed = []
+    listed = [s["file"] for s in manifest.get("shards", []) if manifest.get("complete") is True]
     if not listed:
         die(f"--data_dir {data_dir} is not finished: its manifest.json does not list a complete set of "
             f"shards; run the prepare_fineweb.py command that made it again to finish it, then train")

@@ -211,7 +211,8 @@ def make_files(tmp):
         write_shard(f"{tmp}/{name}/t_val_000000.bin", tokens)
         write_shard(f"{tmp}/{name}/t_train_000001.bin", tokens, count)
     # the manifest of a prepare_fineweb.py run stopped after two shards; and a finished one's, a shard gone
-    shards = [{"file": f"t_{split}_{i:06d}.bin"} for i, split in enumerate(["val", "train", "train"])]
+    shards = [{"file": f"t_{split}_{i:06d}.bin", "tokens": len(tokens), "end_doc": i + 1, "end_offset": 0}
+              for i, split in enumerate(["val", "train", "train"])]
     json.dump({"shards": shards[:2], "complete": False}, open(f"{tmp}/data_unfinished/manifest.json", "w"))
     json.dump({"shards": shards, "complete": True}, open(f"{tmp}/data_missing/manifest.json", "w"))
     config = GPTConfig(block_size=64, n_layer=1, n_head=2, n_embd=32)

@@ -65,6 +65,22 @@ def test_a_midtraining_runs_val_points_sit_at_the_tokens_seen_before_their_step(
     assert plot_runs.tokens_at(run, "loss") == [(4096, 7.6), (8192, 7.0), (12288, 6.5)]
 
 
+def test_val_points_follow_a_change_of_batch_size_on_resume(tmp_path):
+    # 100 tokens a step up to step 5, then resumed with --total_batch_size 300, logged every 2 steps: each eval
+    # sits at the tokens seen before its step, read off the train records around it; a val record's own
+    # tokens where it has them
+    records = [{"step": 0, "val_loss": 11.0}, *[train(s, 10.0 - s) for s in range(5)], {"step": 5, "val_loss": 6.0},
+               *[{**train(s, 5.0), "tokens": 500 + (s - 4) * 300} for s in (5, 7, 9)],
+               {"step": 8, "val_loss": 5.0}, {"step": 10, "val_loss": 4.0}, {"step": 11, "val_loss": 3.9},
+               {"step": 12, "val_loss": 3.8, "tokens": 2345}]
+    run_dir = write_log(tmp_path / "run", records)
+    run = plot_runs.read_run(run_dir)
+    assert plot_runs.tokens_at(run, "val_loss") == [(0, 11.0), (500, 6.0), (1400, 5.0), (2000, 4.0), (2300, 3.9),
+                                                    (2345, 3.8)]
+    plot_runs.main([run_dir, "--out", str(tmp_path / "run.png")])
+    assert (tmp_path / "run.png").stat().st_size > 0
+
+
 def test_the_table_and_the_flags_that_differ(tmp_path, capsys):
     log_a = [{"flags": {"lr": 3e-3, "seed": 1, "out_dir": "a"}}, {"step": 0, "val_loss": 11.0},
              train(0, 10.0, mfu=0.30), {"step": 1, "val_loss": 9.0}, {"step": 1, "hellaswag_acc_norm": 0.25},
@@ -114,6 +130,23 @@ def test_a_real_run_and_a_synthetic_one_in_one_png(base_ckpt, tmp_path):
     assert matplotlib_image.imread(png).shape == (360, 960, 4)
 
 
+def test_a_metric_added_to_the_step_gets_a_panel_of_its_own(tmp_path, capsys):
+    matplotlib_image = pytest.importorskip("matplotlib.image")
+    # a run whose train_step adds max_logit (docs/forking.md's example) and aux_loss, from step 2 on
+    records = [{"step": 0, "val_loss": 11.0}, train(0, 10.0, max_logit=4.5), train(1, 9.0, max_logit=5.0),
+               train(2, 8.0, max_logit=5.5, aux_loss=0.1, note="not a number: no panel")]
+    run = plot_runs.read_run(write_log(tmp_path / "run", records))
+    assert plot_runs.tokens_at(run, "max_logit") == [(100, 4.5), (200, 5.0), (300, 5.5)]
+    assert plot_runs.tokens_at(run, "aux_loss") == [(300, 0.1)]
+    plot_runs.main([str(tmp_path / "run"), "--out", str(tmp_path / "run.png")])
+    # the loss, then aux_loss and max_logit beside it: 17 x 4.5 inches at 80 dpi
+    assert matplotlib_image.imread(tmp_path / "run.png").shape == (360, 1360, 4)
+    # with HellaSwag too, four panels: two rows of three
+    write_log(tmp_path / "run", records + [{"step": 3, "hellaswag_acc_norm": 0.26}])
+    plot_runs.main([str(tmp_path / "run"), "--out", str(tmp_path / "run.png")])
+    assert matplotlib_image.imread(tmp_path / "run.png").shape == (720, 1360, 4)
+
+
 def test_without_matplotlib_the_table_then_one_error_line(tmp_path):
     run_dir = write_log(tmp_path / "run", [train(0, 10.0)])
     # an import of matplotlib fails as where it is not installed
@@ -129,9 +162,15 @@ def test_without_matplotlib_the_table_then_one_error_line(tmp_path):
 @pytest.mark.parametrize("argv,expect", [(["{tmp}/none"], "cannot read {tmp}/none/log.jsonl"),
                                          (["{tmp}", "--smooth", "1"], "--smooth 1.0: give a weight"),
                                          (["{tmp}", "--out", "{tmp}/no/such/dir.png"], "cannot write"),
-                                         (["{tmp}", "{tmp}/garbled"], "{tmp}/garbled/log.jsonl holds no loss record")])
+                                         (["{tmp}", "{tmp}/garbled"], "{tmp}/garbled/log.jsonl holds no loss record"),
+                                         (["{tmp}", "--out", "{tmp}/x.txt"], "--out {tmp}/x.txt: the picture is a PNG"),
+                                         (["{tmp}", "--out", "{tmp}/runs"], "--out {tmp}/runs: the picture is a PNG"),
+                                         (["{tmp}/tokens"], "{tmp}/tokens/log.jsonl:2: its tokens is '1.2M', not a"),
+                                         (["{tmp}/tok_per_s"], "{tmp}/tok_per_s/log.jsonl:1: its tok_per_s is None")])
 def test_bad_input_is_one_error_line(argv, expect, tmp_path, capsys):
     write_log(tmp_path, [train(0, 10.0)])
+    write_log(tmp_path / "tokens", [train(0, 10.0), train(1, 9.0, tokens="1.2M")])
+    write_log(tmp_path / "tok_per_s", [train(0, 10.0, tok_per_s=None)])
     (tmp_path / "garbled").mkdir()
     (tmp_path / "garbled" / "log.jsonl").write_bytes(bytes(range(256)) * 8)  # not a log: no record in it
     with pytest.raises(SystemExit) as exit_info:

@@ -116,11 +116,18 @@ def test_offline_hub_fails_at_once_pointing_to_input(tmp_path):
     assert proc.returncode == 2 and "--input" in proc.stderr and time.time() - start < 30
 
 
-@pytest.mark.parametrize("case", ["no_match", "missing_field", "unreadable", "bad_json", "folder_config"])
+@pytest.mark.parametrize("case", ["no_match", "missing_field", "unreadable", "bad_json", "folder_config",
+                                  "config_with_input", "text_field_with_txt"])
 def test_bad_input_gives_one_line_error(case, tmp_path):
     expect = {"no_match": "matches no file", "missing_field": "no field 'text'", "unreadable": "cannot read",
-              "bad_json": "a.jsonl:2 (JSONDecodeError", "folder_config": "check --dataset and --config"}[case]
-    if case == "no_match":
+              "bad_json": "a.jsonl:2 (JSONDecodeError", "folder_config": "check --dataset and --config",
+              "config_with_input": "--config does nothing with --input; drop it",
+              "text_field_with_txt": "--text_field does nothing with .txt (.md, .py) files"}[case]
+    if case in ("config_with_input", "text_field_with_txt"):  # a flag that the source given does not use
+        (tmp_path / "a.txt").write_text("hello\n")
+        source = ["--input", str(tmp_path / "a.txt"),
+                  *(["--config", "sample-100BT"] if case == "config_with_input" else ["--text_field", "body"])]
+    elif case == "no_match":
         source = ["--input", str(tmp_path / "nothing*.jsonl")]
     elif case == "missing_field":
         (tmp_path / "a.jsonl").write_text(json.dumps({"content": "hello"}) + "\n")
@@ -194,3 +201,75 @@ def test_a_rerun_on_other_input_is_refused_and_the_trainer_reads_only_listed_sha
     assert [os.path.basename(f) for f in find_shards(str(out), "train")] == listed
     note = "not using 1 train shard(s) that its manifest.json does not list (out_train_000099.bin)"
     assert note in capsys.readouterr().out
+
+
+def test_a_stopped_prepare_run_again_with_its_inputs_in_another_order_is_refused(tmp_path):
+    """The documents are read in the order the --input files are given, so that order shapes the shards: a
+    run stopped part way and run again with the files reordered would repeat some documents and drop others.
+    It is refused, and the same order goes on to the shards of a run never stopped."""
+    src, straight, stopped = tmp_path / "src", tmp_path / "a" / "x", tmp_path / "b" / "x"
+    src.mkdir()
+    for path in stdlib_files(6):
+        (src / os.path.basename(path)).write_bytes(open(path, "rb").read())
+    files = sorted(str(f) for f in src.iterdir())
+    given = files[3:] + files[:3]
+    args = ["--shard_size", 4000, "--workers", 1]
+    run("prepare_fineweb.py", "--input", *given, *args, "--out_dir", straight, check=True)
+    run("prepare_fineweb.py", "--input", *given, *args, "--out_dir", stopped, check=True)
+    # stopped after 2 shards: the manifest as an interrupted run leaves it
+    manifest = json.load(open(stopped / "manifest.json"))
+    json.dump({**manifest, "shards": manifest["shards"][:2], "complete": False}, open(stopped / "manifest.json", "w"))
+    proc = run("prepare_fineweb.py", "--input", *files, *args, "--out_dir", stopped)
+    assert proc.returncode == 2 and "differs from this run in files" in proc.stderr, proc.stderr
+    run("prepare_fineweb.py", "--input", *given, *args, "--out_dir", stopped, check=True)
+    a_files, a = read_shards(straight)
+    b_files, b = read_shards(stopped)
+    assert len(a) > 3 and [os.path.basename(f) for f in a_files] == [os.path.basename(f) for f in b_files]
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("damage", ["a_list", "no_shards", "end_doc_text", "a_folder"])
+def test_a_manifest_of_another_shape_is_one_error_line_in_prepare_and_in_the_trainer(damage, tmp_path):
+    """A manifest.json that prepare_fineweb.py did not write (another tool's, or edited by hand), or a folder of
+    that name: neither a prepare going on from it nor the trainer guesses; each says so in one line."""
+    out = tmp_path / "data"
+    args = ["--input", *stdlib_files(4), "--out_dir", out, "--shard_size", 2000, "--workers", 1]
+    run("prepare_fineweb.py", *args, check=True)
+    manifest = json.load(open(out / "manifest.json"))
+    (out / "manifest.json").unlink()
+    if damage == "a_folder":
+        (out / "manifest.json").mkdir()
+    else:
+        manifest["shards"][-1]["end_doc"] = "12"
+        manifest = {"a_list": manifest["shards"], "no_shards": {"complete": True},
+                    "end_doc_text": manifest}[damage]
+        (out / "manifest.json").write_text(json.dumps(manifest))
+    for proc in (run("prepare_fineweb.py", *args),
+                 run("train_gpt2.py", "--data_dir", out, "--out_dir", tmp_path / "run", "--device", "cpu")):
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: {out / 'manifest.json'} is not a manifest that "
+                                                       f"prepare_fineweb.py wrote"), proc.stderr
+
+
+def test_a_listed_shard_deleted_or_cut_short_is_made_again(tmp_path):
+    """The trainer refuses a folder that lacks a shard its manifest lists, and tells the user to run the prepare
+    command again: that command makes the shard again (and those after it, the same stream), saying so."""
+    out = tmp_path / "x"
+    args = ["--input", *stdlib_files(6), "--out_dir", out, "--shard_size", 4000, "--workers", 1]
+    run("prepare_fineweb.py", *args, check=True)
+    shards = {p.name: p.read_bytes() for p in out.glob("*.bin")}
+    assert len(shards) > 3
+    (out / "x_train_000002.bin").unlink()
+    (out / "x_train_000003.bin").write_bytes(shards["x_train_000003.bin"][:-2])
+    for gone in ("x_train_000002.bin", "x_train_000003.bin"):
+        proc = run("prepare_fineweb.py", *args, check=True)
+        assert f"{out / gone}, which manifest.json lists, is missing or not whole" in proc.stderr, proc.stderr
+        assert {p.name: p.read_bytes() for p in out.glob("*.bin")} == shards
+        assert json.load(open(out / "manifest.json"))["complete"] is True
+        (out / "x_train_000003.bin").write_bytes(shards["x_train_000003.bin"][:-2])
+    # an empty --out_dir is one line, not the default folder under the working directory
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "prepare_fineweb.py"), *map(str, args[:-6]),
+                           "--out_dir", "", "--workers", "1"], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --out_dir '' names no folder"), proc.stderr
+    assert proc.stderr.count("\n") == 1 and not (tmp_path / "data").exists()
