@@ -70,7 +70,7 @@ def get_args(argv=None):
                 f"check the path or quote the glob")
         args.files += matches
     text_files_only = args.files and not any(f.endswith((".jsonl", ".parquet")) for f in args.files)
-    refuse_ignored(p, args, {"--input": (args.input, ["config"]), "--demo": (args.demo, ["config", "text_field"]),
+    refuse_ignored(argv, {"--input": (args.input, ["config"]), "--demo": (args.demo, ["config", "text_field"]),
                              ".txt (.md, .py) files, a document each": (text_files_only, ["text_field"])})
     return args
 
