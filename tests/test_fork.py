@@ -29,18 +29,14 @@ def run_in(fork, script, *args):
                           text=True, timeout=600)
 
 
-@pytest.fixture(scope="module")
-def fork(shards, tmp_path_factory):
-    """A copy of the repo with every edit of the guide applied and synced, and the demo shards as .u32 files (the
-    guide's new data format)."""
-    fork = tmp_path_factory.mktemp("fork")
+def make_fork(fork, edits):
+    """The repo's scripts copied into the folder fork, the edits (script, lines to find, lines in their place)
+    applied, and synced into the other scripts."""
     for script in SCRIPTS:
         shutil.copy(os.path.join(REPO, script), fork)
     os.makedirs(fork / "tests")
     for name in ("sync_shared.py", "shared_blocks.json"):
         shutil.copy(os.path.join(REPO, "tests", name), fork / "tests")
-    edits = guide_edits()
-    assert len(edits) == 11, edits  # RoPE (4), QK-norm, activation, softcap, groups, metric, data format (2)
     for script, old, new in edits:
         with open(fork / script) as f:
             text = f.read()
@@ -49,6 +45,16 @@ def fork(shards, tmp_path_factory):
             f.write(text.replace(old, new))
     proc = run_in(fork, "tests/sync_shared.py")
     assert proc.returncode == 0 and "synced mid_train.py" in proc.stdout, proc
+
+
+@pytest.fixture(scope="module")
+def fork(shards, tmp_path_factory):
+    """A copy of the repo with every edit of the guide applied and synced, and the demo shards as .u32 files (the
+    guide's new data format)."""
+    fork = tmp_path_factory.mktemp("fork")
+    edits = guide_edits()
+    assert len(edits) == 11, edits  # RoPE (4), QK-norm, activation, softcap, groups, metric, data format (2)
+    make_fork(fork, edits)
     sys.path.insert(0, REPO)
     from train_gpt2 import find_shards, load_shard
     os.makedirs(fork / "data")
@@ -119,3 +125,35 @@ def test_forked_model_trains_resumes_exactly_samples_and_midtrains(fork, base_ck
     proc = subprocess.run([sys.executable, "-c", check], cwd=fork, capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr.startswith("error: OpenAI's GPT-2 weights do not fit"), proc.stderr
     assert "transformer.wpe.weight" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+UNTIED_HEAD = ("train_gpt2.py",
+               "        self.transformer.wte.weight = self.lm_head.weight  # tied input and output embeddings\n", "")
+# each token attends to itself and the 19 before it
+LOCAL_ATTENTION = ("train_gpt2.py",
+                   "        y = F.scaled_dot_product_attention(q, k, v, is_causal=k.size(2) == T)\n",
+                   "        past = k.size(2) - T\n"
+                   "        window = torch.ones(T, k.size(2), dtype=torch.bool).tril(past).triu(past - 19)\n"
+                   "        y = F.scaled_dot_product_attention(q, k, v, attn_mask=window)\n")
+
+
+@pytest.mark.parametrize("edit", [UNTIED_HEAD, LOCAL_ATTENTION], ids=["untied-head", "local-attention"])
+def test_export_carries_an_untied_head_and_names_the_part_it_cannot_carry(tmp_path, edit):
+    """export_hf.py on a forked model: an untied head is exported as one (GPT-2's config can say so); attention
+    over a window of 20 tokens, which GPT-2's cannot compute, is named, with the token it first differs at, though
+    a short text would not show it."""
+    make_fork(tmp_path, [edit])
+    save = ("import torch, train_gpt2 as t; from dataclasses import asdict; torch.manual_seed(0);"
+            "model = t.GPT(t.GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=32));"
+            "torch.save({'model': model.state_dict(), 'config': asdict(model.config), 'kind': 'base'}, 'ckpt.pt')")
+    proc = subprocess.run([sys.executable, "-c", save], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    proc = run_in(tmp_path, "export_hf.py", "--ckpt", "ckpt.pt", "--out_dir", "hf")
+    if edit is UNTIED_HEAD:
+        assert proc.returncode == 0 and "logits match ours" in proc.stdout, proc.stderr
+        with open(tmp_path / "hf" / "config.json") as f:
+            assert '"tie_word_embeddings": false' in f.read()
+    else:
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+        assert "block 0's output differs from GPT-2's from token 20 on" in lines[0], lines[0]
