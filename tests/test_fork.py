@@ -53,7 +53,7 @@ def fork(shards, tmp_path_factory):
     guide's new data format)."""
     fork = tmp_path_factory.mktemp("fork")
     edits = guide_edits()
-    assert len(edits) == 11, edits  # RoPE (4), QK-norm, activation, softcap, groups, metric, data format (2)
+    assert len(edits) == 14, edits  # RoPE (4), QK-norm, window (3), activation, softcap, groups, metric, data format (2)
     make_fork(fork, edits)
     sys.path.insert(0, REPO)
     from train_gpt2 import find_shards, load_shard
@@ -157,3 +157,26 @@ def test_export_carries_an_untied_head_and_names_the_part_it_cannot_carry(tmp_pa
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
         assert "block 0's output differs from GPT-2's from token 20 on" in lines[0], lines[0]
+
+
+def test_the_guides_attention_window_holds_when_sampling_with_the_kv_cache(tmp_path):
+    """A mask edited into attention must cover sampling too, where the KV cache feeds one token at a time (T = 1,
+    the keys before it cached) and the stock code runs unmasked. The guide's window, synced into sample.py: a
+    token's logits do not depend on a token past the window, and the samples of a seed with the cache are those
+    without it."""
+    edits = [edit for edit in guide_edits() if "attn_window" in edit[2]]
+    assert len(edits) == 3, edits  # the config field, kept in the attention, the mask
+    make_fork(tmp_path, edits)
+    check = ("import torch, sample as s; torch.manual_seed(0);"
+             "model = s.GPT(s.GPTConfig(block_size=64, n_layer=1, n_head=2, n_embd=32, attn_window=8)).eval();"
+             "logits = lambda idx: (lambda out: out[0] if isinstance(out, tuple) else out)(model(idx));"
+             "idx = torch.randint(0, 50257, (1, 40)); other = idx.clone(); other[0, 20] += 1;"
+             "print((logits(idx)[0, 28] - logits(other)[0, 28]).abs().max().item(),"
+             "(logits(idx)[0, 27] - logits(other)[0, 27]).abs().max().item());"
+             "runs = [torch.cat(list(s.generate(model, idx[:, :5], 50, 50257, generator=torch.Generator().manual_seed(1), use_cache=c)), 1)"
+             " for c in (True, False)]; print(torch.equal(*runs), len(set(runs[0][0].tolist())))")
+    proc = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (past_window, in_window), (same, distinct) = [line.split() for line in proc.stdout.split("\n")[:2]]
+    assert float(past_window) == 0 and float(in_window) > 0  # token 20 is 8 before 28: outside; 7 before 27: in
+    assert same == "True" and int(distinct) > 10
