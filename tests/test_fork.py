@@ -53,7 +53,8 @@ def fork(shards, tmp_path_factory):
     guide's new data format)."""
     fork = tmp_path_factory.mktemp("fork")
     edits = guide_edits()
-    assert len(edits) == 14, edits  # RoPE (4), QK-norm, window (3), activation, softcap, groups, metric, data format (2)
+    # RoPE (4), QK-norm, window (3), activation, softcap, training-only term, groups, metric, data format (2)
+    assert len(edits) == 15, edits
     make_fork(fork, edits)
     sys.path.insert(0, REPO)
     from train_gpt2 import find_shards, load_shard
@@ -79,6 +80,8 @@ def test_forked_model_trains_resumes_exactly_samples_and_midtrains(fork, base_ck
     assert re.search(r"step +5/6 \| loss [\d.]+ \| lr [\d.e-]+ \| norm [\d.]+ \| max_logit [\d.]+ \|", proc.stdout)
     records = [r for r in read_log(fork / "straight") if "loss" in r]
     assert len(records) == 6 and all(0 < r["max_logit"] <= 30 for r in records)  # the metric, under the softcap
+    # the training-only term: logged as its own metric
+    assert all(r["penalty"] > 0 for r in records) and re.search(r"\| penalty [\d.]+", proc.stdout)
     straight = train_losses(fork / "straight")
     assert straight[5] < straight[0]
 
@@ -180,3 +183,4 @@ def test_the_guides_attention_window_holds_when_sampling_with_the_kv_cache(tmp_p
     (past_window, in_window), (same, distinct) = [line.split() for line in proc.stdout.split("\n")[:2]]
     assert float(past_window) == 0 and float(in_window) > 0  # token 20 is 8 before 28: outside; 7 before 27: in
     assert same == "True" and int(distinct) > 10
+
