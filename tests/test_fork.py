@@ -1,6 +1,7 @@
 """docs/forking.md's worked examples, applied as a researcher would: every edit on that page, in a copy of the repo,
 synced into the other scripts, then the fork trains, resumes exactly, samples and midtrains from its checkpoint."""
 
+import json
 import os
 import re
 import shutil
@@ -44,7 +45,8 @@ def make_fork(fork, edits):
         with open(fork / script, "w") as f:
             f.write(text.replace(old, new))
     proc = run_in(fork, "tests/sync_shared.py")
-    assert proc.returncode == 0 and "synced mid_train.py" in proc.stdout, proc
+    assert proc.returncode == 0, proc
+    return proc
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +55,10 @@ def fork(shards, tmp_path_factory):
     guide's new data format)."""
     fork = tmp_path_factory.mktemp("fork")
     edits = guide_edits()
-    # RoPE (4), QK-norm, window (3), activation, softcap, training-only term, groups, metric, data format (2)
-    assert len(edits) == 15, edits
-    make_fork(fork, edits)
+    # RoPE (4), QK-norm, window (3), activation, softcap, training-only term, groups, metric, task (2), data format (2)
+    assert len(edits) == 17, edits
+    proc = make_fork(fork, edits)
+    assert proc.returncode == 0 and "synced mid_train.py" in proc.stdout, proc
     sys.path.insert(0, REPO)
     from train_gpt2 import find_shards, load_shard
     os.makedirs(fork / "data")
@@ -184,3 +187,19 @@ def test_the_guides_attention_window_holds_when_sampling_with_the_kv_cache(tmp_p
     assert float(past_window) == 0 and float(in_window) > 0  # token 20 is 8 before 28: outside; 7 before 27: in
     assert same == "True" and int(distinct) > 10
 
+
+def test_the_guides_new_midtraining_task_trains_and_holds_out_its_val(base_ckpt, tmp_path):
+    """The guide's ARC kind, declared in mid_train.py's table alone: --data arc:FILE reads its rows as ARC's,
+    not as another kind's, trains on them and holds out its val."""
+    edits = [edit for edit in guide_edits() if "arc_conversation" in edit[2]]
+    assert len(edits) == 2, edits  # the function, the table's entry
+    make_fork(tmp_path, edits)
+    rows = [{"question": f"Which is warmer, {i}?", "choices": {"text": ["ice", "sun"], "label": ["A", "B"]},
+             "answerKey": "B"} for i in range(40)]
+    with open(tmp_path / "arc.jsonl", "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    proc = run_in(tmp_path, "mid_train.py", *MID, "--init_ckpt", base_ckpt, "--data", "arc:arc.jsonl",
+                  "--max_steps", 2, "--out_dir", "mid")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "val: arc:arc.jsonl held out, 4 conversations" in proc.stdout, proc.stdout
+    assert "train: arc:arc.jsonl, 36 conversations x1" in proc.stdout, proc.stdout
