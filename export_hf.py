@@ -8,8 +8,8 @@ weights (safetensors) and config, and the GPT-2 tokenizer files, written offline
 The folder loads with AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained, offline. Our
 embedding is padded to 50304 rows for fast matmuls; the export keeps the rows the tokenizer can produce:
 50257 (GPT-2's vocab) for a base model, 50264 for a midtrained one, whose tokenizer also gets the chat
-special tokens and a chat template. The logits of the kept ids are ours, which the export checks before it
-finishes.
+special tokens and a chat template. The logits of the kept ids are ours over the whole context, which the
+export checks before it finishes.
 """
 
 import argparse
@@ -126,7 +126,8 @@ def main(argv=None):
     config = GPT2Config(vocab_size=enc.n_vocab, n_positions=our_config.block_size, n_embd=our_config.n_embd,
                         n_layer=our_config.n_layer, n_head=our_config.n_head, activation_function="gelu_new",
                         layer_norm_epsilon=1e-5, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        bos_token_id=EOT_TOKEN, eos_token_id=EOT_TOKEN, tie_word_embeddings=True)
+                        bos_token_id=EOT_TOKEN, eos_token_id=EOT_TOKEN,
+                        tie_word_embeddings=model.lm_head.weight is model.transformer.wte.weight)  # a fork may untie
     hf_model = GPT2LMHeadModel(config)
     if chat:  # generate() stops at the end of the assistant's reply
         hf_model.generation_config.eos_token_id = [enc.encode_single_token("<|assistant_end|>"), EOT_TOKEN]
@@ -174,18 +175,33 @@ def main(argv=None):
         cause = e.strerror if isinstance(e, OSError) else str(e).split("I/O error: ")[-1].split(" (os error")[0]
         die(f"cannot write the export into {tmp_dir} ({cause}); free space or give another --out_dir, then run it again")
 
-    # check: the folder as transformers loads it gives our tokens and our logits
+    # check: the folder as transformers loads it gives our tokens, and our logits over the whole context (an
+    # edit to attention may show only past some length)
     text = "def main():\n    print('Hello, world')  # a check"
     ids = enc.encode_ordinary(text)
     if tokenizer(text)["input_ids"] != ids:
         die(f"the exported tokenizer encodes differently from tiktoken's gpt2; {tmp_dir} is left for a look")
+    ids = torch.tensor([(ids * our_config.block_size)[:our_config.block_size]])
     loaded = AutoModelForCausalLM.from_pretrained(tmp_dir).eval()
+    # each part's output, ours and GPT-2's (its hidden_states): the embeddings are the first block's input, and
+    # the last block's output is taken after the final layer norm, as transformers takes it
+    parts = ["the embeddings", *(f"block {i}'s output" for i in range(our_config.n_layer)), "the head's logits"]
+    ours = []
+    for block in model.transformer.h:
+        block.register_forward_pre_hook(lambda module, args: ours.append(args[0]))
+    model.transformer.ln_f.register_forward_hook(lambda module, args, output: ours.append(output))
     with torch.no_grad():
-        logits, _ = model(torch.tensor([ids]))
-        their_logits = loaded(torch.tensor([ids])).logits
-    diff = (logits[:, :, :enc.n_vocab] - their_logits).abs().max().item()  # over the tokenizer's vocab
-    if diff > 1e-4:
-        die(f"the exported model's logits differ from ours by {diff:.2e}; {tmp_dir} is left for a look")
+        logits, _ = model(ids)
+        theirs = loaded(ids, output_hidden_states=True)
+    ours.append(logits[:, :, :enc.n_vocab])  # over the tokenizer's vocab
+    diff = (ours[-1] - theirs.logits).abs().max().item()
+    for part, our_output, their_output in zip(parts, ours, [*theirs.hidden_states, theirs.logits]):
+        differs = ~torch.isclose(our_output, their_output, rtol=1e-4, atol=1e-4).all(-1)[0]  # per token
+        if differs.any():
+            first = differs.nonzero()[0].item()
+            die(f"the exported model is not ours: {part} differs from GPT-2's from token {first} on (the logits by "
+                f"{diff:.2e}), an edit of the model's code that transformers' GPT-2 cannot compute; only a model "
+                f"that computes what GPT-2 does can be exported; {tmp_dir} is left for a look")
     # An earlier export is replaced whole, a chat model's by a base model's too, but only if it holds nothing
     # else.
     if os.path.exists(args.out_dir):
@@ -439,11 +455,15 @@ def load_checkpoint(path, mmap=False):
         try:
             # mmap: a tensor is read from the file only when it is used
             checkpoint = torch.load(candidate, map_location="cpu", weights_only=True, mmap=mmap)
-            if isinstance(checkpoint, dict) and {"model", "config"} <= checkpoint.keys():
+            # Ours holds the model and its GPTConfig's fields. Another program's can have keys of these names
+            # (nanoGPT's config is its training flags), and a model edited since may have dropped a field.
+            config = checkpoint.get("config") if isinstance(checkpoint, dict) else None
+            if isinstance(config, dict) and "model" in checkpoint and config.keys() <= vars(GPTConfig()).keys():
                 if problems:
                     print0(f"passing over {'; '.join(problems)}; using {candidate}", file=sys.stderr)
                 return checkpoint, candidate
-            problems.append(f"{candidate} is not a train_gpt2.py/mid_train.py checkpoint (no model and config in it)")
+            problems.append(f"{candidate} is not a train_gpt2.py/mid_train.py checkpoint (no model and config "
+                            f"of GPTConfig's fields in it)")
         except Exception as e:
             problems.append(f"{candidate} is not a readable checkpoint ({type(e).__name__})")
     die(f"no readable checkpoint at {path} ({'; '.join(problems) or 'none there'}): give a ckpt_*.pt file of "

@@ -82,24 +82,13 @@ def die(message):
 # -----------------------------------------------------------------------------
 # flags
 
-# what `KIND:hub` loads through `datasets`: (name, config) of its train split, and of its test split
-HUB_SOURCES = {
-    "chat": (("HuggingFaceTB/smol-smoltalk", None), ("HuggingFaceTB/smol-smoltalk", None)),
-    "mmlu": (("cais/mmlu", "auxiliary_train"), ("cais/mmlu", "all")),
-    "gsm8k": (("openai/gsm8k", "main"), ("openai/gsm8k", "main")),
-}
-# The spelling tasks are generated from a word list, their rows counted in --data (nanochat's sizes by
-# default). Their `hub` is nanochat's list: dwyl/english-words' 370K words, downloaded once.
-SPELLING_ROWS = {"simplespelling": 200_000, "spellingbee": 80_000}
+# the spelling tasks' `hub` (TASKS): nanochat's word list, dwyl/english-words' 370K words, downloaded once
 WORD_LIST_URL = "https://raw.githubusercontent.com/dwyl/english-words/refs/heads/master/words_alpha.txt"
 IDENTITY_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/identity_conversations.jsonl"
 # nanochat's midtraining mixture: SmolTalk, MMLU auxiliary_train, GSM8K, its identity chats twice, the
 # spelling tasks; val is the first three's test splits
 DEFAULT_DATA = ["chat:hub", "mmlu:hub", "gsm8k:hub", f"chat:{IDENTITY_URL}:2", "simplespelling:hub:200000",
                 "spellingbee:hub:80000"]
-# The most rows a test split gives val: nanochat's, which keep its val near 5.2% of each train source, as are
-# SmolTalk's 24K test rows (MMLU's has 14K, GSM8K's 1.3K)
-VAL_ROWS = {"chat": None, "mmlu": 5200, "gsm8k": 420, "simplespelling": 10_400, "spellingbee": 4160}
 
 # --demo: train_gpt2.py --demo's model taught to answer questions about the stdlib, in 1-2 min on 2 cores, on
 # prepare_fineweb.py --demo's questions (re.compile, the prompt, is held out)
@@ -125,7 +114,8 @@ def get_args(argv=None):
                         "with ROWS for EPOCHS; PATH `hub` loads it by name, a URL is downloaded once")
     p.add_argument("--val_data", nargs="*", default=[],
                    help="test splits for val, KIND:PATH[:ROWS] (at most ROWS, nanochat's by default: "
-                        f"{VAL_ROWS}); a hub source's val is its test split on the hub")
+                        f"{ {kind: task['val_rows'] for kind, task in TASKS.items()} }); a hub source's val is "
+                        f"its test split on the hub")
     p.add_argument("--val_fraction", type=ranged(float, 0, 1, low_open=True, high_open=True), default=0.02,
                    help="share held out for val of each source whose kind has no test split (0 would leave "
                         "no val split, 1 no train data)")
@@ -375,10 +365,9 @@ def render_for_reply(enc, messages):
 def parse_source(spec, flag="--data"):
     """KIND:PATH[:N], a source of --data (N: its epochs, or a spelling task's rows) or of --val_data (N: the
     most rows it gives)."""
-    kinds = [*HUB_SOURCES, *SPELLING_ROWS]
     match = re.fullmatch(r"(\w+):(.+?)(?::(-?\d+))?", spec)
-    if not match or match[1] not in kinds:
-        die(f"{flag} {spec}: expected KIND:PATH[:N] with KIND one of {', '.join(kinds)}")
+    if not match or match[1] not in TASKS:
+        die(f"{flag} {spec}: expected KIND:PATH[:N] with KIND one of {', '.join(TASKS)}")
     kind, path, count = match.groups()
     if count is not None and int(count) < 1:
         die(f"{flag} {spec}: N (epochs or rows) must be 1 or more")
@@ -461,42 +450,46 @@ def download(url):
 
 
 def load_source(kind, path, split="train"):
-    """The conversations of one source, each checked; `hub` gives the train or the test split."""
+    """The conversations of one source of a kind read from files or the hub, each checked; `hub` gives the
+    train or the test split."""
+    task = TASKS[kind]
     if path == "hub":
         if not hub_reachable():
             die(f"cannot reach the Hugging Face hub for {kind}:hub; offline, give local files, e.g. --data {kind}:path")
         import datasets
-        dataset = datasets.load_dataset(*HUB_SOURCES[kind][split == "test"], split=split)
+        dataset = datasets.load_dataset(*task["hub"][split == "test"], split=split)
         rows = ((row, f"{kind}:hub {split} row {i}") for i, row in enumerate(dataset))
     else:
         path = download(path) if re.match(r"https?://", path) else path
-        pattern = "*.csv" if kind == "mmlu" else "*.jsonl"
+        pattern = task["files"]
         files = sorted(glob.glob(os.path.join(glob.escape(path), pattern))) if os.path.isdir(path) else [path]
         if not files or not all(os.path.isfile(f) for f in files):
             flag = "--val_data" if split == "test" else "--data"
             die(f"{flag} {kind}:{path}: no such file or folder of {pattern} files")
-        read = read_mmlu_csv if kind == "mmlu" else read_jsonl
-        rows = itertools.chain.from_iterable(read(f) for f in files)
-    conversations = []
-    for row, where in rows:
-        if kind == "chat":  # {"messages": [...]} or the bare list
-            messages = row.get("messages") if isinstance(row, dict) else row
-        else:  # a question and its answer
-            if kind == "gsm8k":
-                has_text = isinstance(row, dict) and all(isinstance(row.get(k), str)
-                                                         for k in ("question", "answer"))
-                if not has_text:
-                    die(f"{where}: a GSM8K row needs question and answer, both strings")
-                question = row["question"]
-                answer = calculator_parts(row["answer"])
-            else:  # mmlu
-                row = row.get("train", row)  # the hub's auxiliary_train nests its rows
-                options = "\n".join(f"{letter}. {choice}" for letter, choice in zip("ABCD", row["choices"]))
-                question = f"{row['question']}\n\n{options}\n\nAnswer with the letter of the correct choice."
-                answer = "ABCD"[int(row["answer"])]
-            messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
-        conversations.append(check_conversation(messages, where))
-    return conversations
+        rows = itertools.chain.from_iterable(task["read"](f) for f in files)
+    return [check_conversation(task["conversation"](row, where), where) for row, where in rows]
+
+
+def chat_conversation(row, where):
+    """{"messages": [...]} or the bare list."""
+    return row.get("messages") if isinstance(row, dict) else row
+
+
+def question_and_answer(question, answer):
+    return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+
+
+def mmlu_conversation(row, where):
+    row = row.get("train", row)  # the hub's auxiliary_train nests its rows
+    options = "\n".join(f"{letter}. {choice}" for letter, choice in zip("ABCD", row["choices"]))
+    question = f"{row['question']}\n\n{options}\n\nAnswer with the letter of the correct choice."
+    return question_and_answer(question, "ABCD"[int(row["answer"])])
+
+
+def gsm8k_conversation(row, where):
+    if not (isinstance(row, dict) and all(isinstance(row.get(k), str) for k in ("question", "answer"))):
+        die(f"{where}: a GSM8K row needs question and answer, both strings")
+    return question_and_answer(row["question"], calculator_parts(row["answer"]))
 
 
 def calculator_parts(answer):
@@ -527,9 +520,8 @@ LETTER_COUNT_QUESTIONS = [
 
 
 def spelling_conversations(kind, path, rows, seed):
-    """rows conversations of a spelling task, generated from the words of a list (one a line: lowercase
-    letters only are kept), the same for the same seed. SimpleSpelling spells a word out; SpellingBee counts
-    a letter in a word step by step, then checks the count with a calculator call, as nanochat's do."""
+    """rows conversations of a task generated from the words of a list (one a line: lowercase letters only
+    are kept), the same for the same seed: its function makes one of a word."""
     path = WORD_LIST_URL if path == "hub" else path
     path = download(path) if re.match(r"https?://", path) else path
     try:
@@ -542,35 +534,59 @@ def spelling_conversations(kind, path, rows, seed):
     rng = random.Random(f"{kind} {seed}")
     conversations = []
     for _ in range(rows):
-        word = rng.choice(words)
-        spelled = f"{word}:{','.join(word)}"
-        if kind == "simplespelling":
-            conversations.append([{"role": "user", "content": f"Spell the word: {word}"},
-                                  {"role": "assistant", "content": spelled}])
-            continue
-        # a letter of the word, or now and then any letter (a count of 0)
-        letter = rng.choice(word) if rng.random() < 0.9 else rng.choice(string.ascii_lowercase)
-        question = rng.choice(LETTER_COUNT_QUESTIONS)
-        question = question.lower() if rng.random() < 0.3 else question
-        quote_letter, quote_word = rng.choice(["", "'", '"']), rng.choice(["", "'", '"'])
-        question = question.format(letter=f"{quote_letter}{letter}{quote_letter}",
-                                   word=f"{quote_word}{word}{quote_word}")
-        question += "?" if rng.random() < 0.5 else ""
-        # the count, letter by letter: no space before a letter, as " a" would be another token than "a"
-        steps, count = [], 0
-        for i, char in enumerate(word, 1):
-            count += char == letter
-            steps.append(f"{i}:{char}" + (f" hit! count={count}" if char == letter else ""))
-        counting = (f"We are asked to find the number '{letter}' in the word '{word}'. Let me try a manual "
-                    f"approach first.\n\nFirst spell the word out:\n{spelled}\n\nThen count the occurrences "
-                    f"of '{letter}':\n" + "\n".join(steps) + f"\n\nThis gives us {count}.")
-        final = f"\n\nPython gives us {count}.\n\nMy final answer is:\n\n#### {count}"
-        answer = [{"type": "text", "text": counting + "\n\nLet me double check this using Python:\n\n"},
-                  {"type": "python", "text": f"'{word}'.count('{letter}')"},
-                  {"type": "python_output", "text": str(count)}, {"type": "text", "text": final}]
-        conversations.append([{"role": "user", "content": question},
-                              {"role": "assistant", "content": answer}])
+        conversations.append(TASKS[kind]["generate"](rng.choice(words), rng))
     return conversations
+
+
+def spell_word(word, rng):
+    """SimpleSpelling, as nanochat's: a word spelled out."""
+    return question_and_answer(f"Spell the word: {word}", f"{word}:{','.join(word)}")
+
+
+def count_letter(word, rng):
+    """SpellingBee, as nanochat's: a letter of the word counted step by step, then checked with a calculator
+    call."""
+    spelled = f"{word}:{','.join(word)}"
+    # a letter of the word, or now and then any letter (a count of 0)
+    letter = rng.choice(word) if rng.random() < 0.9 else rng.choice(string.ascii_lowercase)
+    question = rng.choice(LETTER_COUNT_QUESTIONS)
+    question = question.lower() if rng.random() < 0.3 else question
+    quote_letter, quote_word = rng.choice(["", "'", '"']), rng.choice(["", "'", '"'])
+    question = question.format(letter=f"{quote_letter}{letter}{quote_letter}",
+                               word=f"{quote_word}{word}{quote_word}")
+    question += "?" if rng.random() < 0.5 else ""
+    # the count, letter by letter: no space before a letter, as " a" would be another token than "a"
+    steps, count = [], 0
+    for i, char in enumerate(word, 1):
+        count += char == letter
+        steps.append(f"{i}:{char}" + (f" hit! count={count}" if char == letter else ""))
+    counting = (f"We are asked to find the number '{letter}' in the word '{word}'. Let me try a manual "
+                f"approach first.\n\nFirst spell the word out:\n{spelled}\n\nThen count the occurrences "
+                f"of '{letter}':\n" + "\n".join(steps) + f"\n\nThis gives us {count}.")
+    final = f"\n\nPython gives us {count}.\n\nMy final answer is:\n\n#### {count}"
+    answer = [{"type": "text", "text": counting + "\n\nLet me double check this using Python:\n\n"},
+              {"type": "python", "text": f"'{word}'.count('{letter}')"},
+              {"type": "python_output", "text": str(count)}, {"type": "text", "text": final}]
+    return question_and_answer(question, answer)
+
+
+# The task kinds of --data and --val_data, each declared here once. A kind is read from files or the hub,
+# its function making a row a conversation (conversation: row, where), or generated from a word list, its
+# function making a word one (generate: word, rng), `rows` of them unless --data says. hub: what `KIND:hub`
+# loads through `datasets`, (name, config) of its train split and of its test split, which is its val; files:
+# what a folder of them holds, read by `read`. val_rows: the most rows a test split gives val, nanochat's,
+# which keep its val near 5.2% of each train source, as are SmolTalk's 24K test rows (MMLU's has 14K, GSM8K's
+# 1.3K); None: all.
+TASKS = {
+    "chat": dict(conversation=chat_conversation, files="*.jsonl", read=read_jsonl, val_rows=None,
+                 hub=(("HuggingFaceTB/smol-smoltalk", None), ("HuggingFaceTB/smol-smoltalk", None))),
+    "mmlu": dict(conversation=mmlu_conversation, files="*.csv", read=read_mmlu_csv, val_rows=5200,
+                 hub=(("cais/mmlu", "auxiliary_train"), ("cais/mmlu", "all"))),
+    "gsm8k": dict(conversation=gsm8k_conversation, files="*.jsonl", read=read_jsonl, val_rows=420,
+                  hub=(("openai/gsm8k", "main"), ("openai/gsm8k", "main"))),
+    "simplespelling": dict(generate=spell_word, rows=200_000, val_rows=10_400),
+    "spellingbee": dict(generate=count_letter, rows=80_000, val_rows=4160),
+}
 
 
 def pack_rows(conversations, capacity):
@@ -619,8 +635,8 @@ def build_data(args, enc, capacity):
         return np.array(ids, dtype=np.uint16), np.array(mask, dtype=bool)
 
     def conversations_of(kind, path, count, split):
-        if kind in SPELLING_ROWS:  # generated: the test split from another seed
-            return spelling_conversations(kind, path, count or SPELLING_ROWS[kind], f"{split} {args.seed}")
+        if "generate" in TASKS[kind]:  # the test split from another seed
+            return spelling_conversations(kind, path, count or TASKS[kind]["rows"], f"{split} {args.seed}")
         conversations = load_source(kind, path, split)
         random.Random(args.seed).shuffle(conversations)
         return conversations
@@ -630,11 +646,11 @@ def build_data(args, enc, capacity):
     test_splits = [parse_source(spec, "--val_data") for spec in args.val_data]
     given = {kind for kind, _, _ in test_splits}
     test_splits += [(kind, "hub", None) for kind, path, _ in sources
-                    if path == "hub" and kind in HUB_SOURCES and kind not in given]
+                    if path == "hub" and "hub" in TASKS[kind] and kind not in given]
     test_kinds = {kind for kind, _, _ in test_splits}
     train, val = [], []  # train: (rendered conversation, its epochs)
     for kind, path, count in test_splits:
-        rows = count or VAL_ROWS[kind]
+        rows = count or TASKS[kind]["val_rows"]
         conversations = conversations_of(kind, path, rows, "test")[:rows]
         val += [render(m) for m in conversations]
         print0(f"val: {kind}:{path} test split, {len(conversations):,} conversations")
@@ -643,12 +659,13 @@ def build_data(args, enc, capacity):
         # A kind without a test split holds out a share of each source (but a source of one conversation, and
         # a generated one: its test split is generated apart, from another seed).
         n_val = 0
-        if kind not in test_kinds and kind not in SPELLING_ROWS and len(conversations) > 1:
+        generated = "generate" in TASKS[kind]
+        if kind not in test_kinds and not generated and len(conversations) > 1:
             n_val = math.ceil(len(conversations) * args.val_fraction)
             print0(f"val: {kind}:{path} held out, {n_val:,} conversations (--val_fraction "
                    f"{args.val_fraction:g}: no test split of {kind} in --val_data)")
         val += [render(m) for m in conversations[:n_val]]
-        epochs = 1 if kind in SPELLING_ROWS else count or 1
+        epochs = 1 if generated else count or 1
         train += [(render(m), epochs) for m in conversations[n_val:]]
         print0(f"train: {kind}:{path}, {len(conversations) - n_val:,} conversations x{epochs}")
 
@@ -1263,11 +1280,15 @@ def load_checkpoint(path, mmap=False):
         try:
             # mmap: a tensor is read from the file only when it is used
             checkpoint = torch.load(candidate, map_location="cpu", weights_only=True, mmap=mmap)
-            if isinstance(checkpoint, dict) and {"model", "config"} <= checkpoint.keys():
+            # Ours holds the model and its GPTConfig's fields. Another program's can have keys of these names
+            # (nanoGPT's config is its training flags), and a model edited since may have dropped a field.
+            config = checkpoint.get("config") if isinstance(checkpoint, dict) else None
+            if isinstance(config, dict) and "model" in checkpoint and config.keys() <= vars(GPTConfig()).keys():
                 if problems:
                     print0(f"passing over {'; '.join(problems)}; using {candidate}", file=sys.stderr)
                 return checkpoint, candidate
-            problems.append(f"{candidate} is not a train_gpt2.py/mid_train.py checkpoint (no model and config in it)")
+            problems.append(f"{candidate} is not a train_gpt2.py/mid_train.py checkpoint (no model and config "
+                            f"of GPTConfig's fields in it)")
         except Exception as e:
             problems.append(f"{candidate} is not a readable checkpoint ({type(e).__name__})")
     die(f"no readable checkpoint at {path} ({'; '.join(problems) or 'none there'}): give a ckpt_*.pt file of "

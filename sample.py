@@ -17,6 +17,7 @@ import codecs
 import glob
 import operator
 import os
+import re
 import sys
 import time
 from contextlib import nullcontext
@@ -207,16 +208,19 @@ CALCULATOR_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: 
                         ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
                         ast.Pow: operator.pow, ast.USub: operator.neg, ast.UAdd: operator.pos}
 CALCULATOR_LIMIT = 1e30  # the largest number taken or given, so that no call takes long or fills memory
+# a string written out (kept as it is), or a comma between thousands, 1,000 (dropped, as GSM8K writes numbers)
+STRING_OR_THOUSANDS_COMMA = re.compile(r"""('[^']*'|"[^"]*")|(?<=\d),(?=\d{3}(?!\d))""")
 
 
 def calculate(expression):
     """The value, as text, of an arithmetic expression the model wrote: numbers, + - * / // % **, parentheses
-    and signs (commas in numbers, 1,000, are dropped, as GSM8K writes them), or of the letter count that
-    SpellingBee teaches, 'strawberry'.count('r'). Anything else, or a number out of bounds, is None."""
+    and signs (the commas between thousands, 1,000, are dropped, as GSM8K writes them), or of the letter count
+    that SpellingBee teaches, 'strawberry'.count('r'). Anything else, or a number out of bounds, is None."""
     if len(expression) > 200:
         return None
+    expression = STRING_OR_THOUSANDS_COMMA.sub(lambda match: match.group(1) or "", expression)
     try:
-        value = calculator_value(ast.parse(expression.replace(",", "").strip(), mode="eval").body)
+        value = calculator_value(ast.parse(expression.strip(), mode="eval").body)
     except (SyntaxError, ValueError, ArithmeticError, TypeError, RecursionError):
         return None
     if isinstance(value, float):  # 48/2 is 24, as GSM8K writes it
@@ -722,11 +726,15 @@ def load_checkpoint(path, mmap=False):
         try:
             # mmap: a tensor is read from the file only when it is used
             checkpoint = torch.load(candidate, map_location="cpu", weights_only=True, mmap=mmap)
-            if isinstance(checkpoint, dict) and {"model", "config"} <= checkpoint.keys():
+            # Ours holds the model and its GPTConfig's fields. Another program's can have keys of these names
+            # (nanoGPT's config is its training flags), and a model edited since may have dropped a field.
+            config = checkpoint.get("config") if isinstance(checkpoint, dict) else None
+            if isinstance(config, dict) and "model" in checkpoint and config.keys() <= vars(GPTConfig()).keys():
                 if problems:
                     print0(f"passing over {'; '.join(problems)}; using {candidate}", file=sys.stderr)
                 return checkpoint, candidate
-            problems.append(f"{candidate} is not a train_gpt2.py/mid_train.py checkpoint (no model and config in it)")
+            problems.append(f"{candidate} is not a train_gpt2.py/mid_train.py checkpoint (no model and config "
+                            f"of GPTConfig's fields in it)")
         except Exception as e:
             problems.append(f"{candidate} is not a readable checkpoint ({type(e).__name__})")
     die(f"no readable checkpoint at {path} ({'; '.join(problems) or 'none there'}): give a ckpt_*.pt file of "

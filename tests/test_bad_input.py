@@ -450,3 +450,31 @@ def test_prepare_refuses_a_text_file_that_is_not_utf8(tmp_path):
     line = proc.stderr.strip()
     assert proc.returncode == 2 and "\n" not in line and line.startswith("error:"), proc.stderr[-3000:]
     assert str(bad) in line and "UnicodeDecodeError" in line, line
+
+
+def test_another_programs_checkpoint_is_one_error_line_in_every_script(tmp_path):
+    """nanoGPT's ckpt.pt has `model` and `config` keys too, its config being its training flags: every script that
+    loads a checkpoint refuses it in one line (it was a TypeError in GPTConfig), and so does a run into an out_dir
+    that holds one under our checkpoints' name (it was a KeyError)."""
+    import torch
+    from train_gpt2 import GPT, GPTConfig
+    config = GPTConfig(block_size=64, n_layer=1, n_head=2, n_embd=32)
+    model_args = dict(n_layer=1, n_head=2, n_embd=32, block_size=64, bias=False, vocab_size=50304, dropout=0.0)
+    nanogpt = {"model": GPT(config).state_dict(), "optimizer": {}, "model_args": model_args, "iter_num": 100,
+               "best_val_loss": 3.2, "config": {"out_dir": "out", "eval_interval": 2000, "batch_size": 12,
+                                                "learning_rate": 6e-4, **model_args}}
+    torch.save(nanogpt, tmp_path / "ckpt.pt")
+    os.makedirs(tmp_path / "run")
+    shutil.copy(tmp_path / "ckpt.pt", tmp_path / "run" / "ckpt_0000100.pt")
+    jsonl(tmp_path / "hs.jsonl", [{"ctx": "A man sits", "endings": ["a", "b", "c", "d"], "label": 1}])
+    ckpt = str(tmp_path / "ckpt.pt")
+    for script, *args in [("sample.py", "--ckpt", ckpt),
+                          ("hellaswag.py", "--ckpt", ckpt, "--data_file", tmp_path / "hs.jsonl"),
+                          ("export_hf.py", "--ckpt", ckpt, "--out_dir", tmp_path / "hf"),
+                          ("mid_train.py", "--init_ckpt", ckpt, "--out_dir", tmp_path / "mid", "--device", "cpu"),
+                          ("train_gpt2.py", "--out_dir", tmp_path / "run", "--device", "cpu")]:
+        proc = run(script, *args)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, (script, proc.stderr[-3000:])
+        assert lines[0].startswith("error: no readable checkpoint at"), lines[0]
+        assert "not a train_gpt2.py/mid_train.py checkpoint (no model and config of GPTConfig's fields" in lines[0]

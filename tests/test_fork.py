@@ -1,6 +1,7 @@
 """docs/forking.md's worked examples, applied as a researcher would: every edit on that page, in a copy of the repo,
 synced into the other scripts, then the fork trains, resumes exactly, samples and midtrains from its checkpoint."""
 
+import json
 import os
 import re
 import shutil
@@ -29,18 +30,14 @@ def run_in(fork, script, *args):
                           text=True, timeout=600)
 
 
-@pytest.fixture(scope="module")
-def fork(shards, tmp_path_factory):
-    """A copy of the repo with every edit of the guide applied and synced, and the demo shards as .u32 files (the
-    guide's new data format)."""
-    fork = tmp_path_factory.mktemp("fork")
+def make_fork(fork, edits):
+    """The repo's scripts copied into the folder fork, the edits (script, lines to find, lines in their place)
+    applied, and synced into the other scripts."""
     for script in SCRIPTS:
         shutil.copy(os.path.join(REPO, script), fork)
     os.makedirs(fork / "tests")
     for name in ("sync_shared.py", "shared_blocks.json"):
         shutil.copy(os.path.join(REPO, "tests", name), fork / "tests")
-    edits = guide_edits()
-    assert len(edits) == 11, edits  # RoPE (4), QK-norm, activation, softcap, groups, metric, data format (2)
     for script, old, new in edits:
         with open(fork / script) as f:
             text = f.read()
@@ -48,6 +45,19 @@ def fork(shards, tmp_path_factory):
         with open(fork / script, "w") as f:
             f.write(text.replace(old, new))
     proc = run_in(fork, "tests/sync_shared.py")
+    assert proc.returncode == 0, proc
+    return proc
+
+
+@pytest.fixture(scope="module")
+def fork(shards, tmp_path_factory):
+    """A copy of the repo with every edit of the guide applied and synced, and the demo shards as .u32 files (the
+    guide's new data format)."""
+    fork = tmp_path_factory.mktemp("fork")
+    edits = guide_edits()
+    # RoPE (4), QK-norm, window (3), activation, softcap, training-only term, groups, metric, task (2), data format (2)
+    assert len(edits) == 17, edits
+    proc = make_fork(fork, edits)
     assert proc.returncode == 0 and "synced mid_train.py" in proc.stdout, proc
     sys.path.insert(0, REPO)
     from train_gpt2 import find_shards, load_shard
@@ -73,6 +83,8 @@ def test_forked_model_trains_resumes_exactly_samples_and_midtrains(fork, base_ck
     assert re.search(r"step +5/6 \| loss [\d.]+ \| lr [\d.e-]+ \| norm [\d.]+ \| max_logit [\d.]+ \|", proc.stdout)
     records = [r for r in read_log(fork / "straight") if "loss" in r]
     assert len(records) == 6 and all(0 < r["max_logit"] <= 30 for r in records)  # the metric, under the softcap
+    # the training-only term: logged as its own metric
+    assert all(r["penalty"] > 0 for r in records) and re.search(r"\| penalty [\d.]+", proc.stdout)
     straight = train_losses(fork / "straight")
     assert straight[5] < straight[0]
 
@@ -119,3 +131,75 @@ def test_forked_model_trains_resumes_exactly_samples_and_midtrains(fork, base_ck
     proc = subprocess.run([sys.executable, "-c", check], cwd=fork, capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr.startswith("error: OpenAI's GPT-2 weights do not fit"), proc.stderr
     assert "transformer.wpe.weight" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+UNTIED_HEAD = ("train_gpt2.py",
+               "        self.transformer.wte.weight = self.lm_head.weight  # tied input and output embeddings\n", "")
+# each token attends to itself and the 19 before it
+LOCAL_ATTENTION = ("train_gpt2.py",
+                   "        y = F.scaled_dot_product_attention(q, k, v, is_causal=k.size(2) == T)\n",
+                   "        past = k.size(2) - T\n"
+                   "        window = torch.ones(T, k.size(2), dtype=torch.bool).tril(past).triu(past - 19)\n"
+                   "        y = F.scaled_dot_product_attention(q, k, v, attn_mask=window)\n")
+
+
+@pytest.mark.parametrize("edit", [UNTIED_HEAD, LOCAL_ATTENTION], ids=["untied-head", "local-attention"])
+def test_export_carries_an_untied_head_and_names_the_part_it_cannot_carry(tmp_path, edit):
+    """export_hf.py on a forked model: an untied head is exported as one (GPT-2's config can say so); attention
+    over a window of 20 tokens, which GPT-2's cannot compute, is named, with the token it first differs at, though
+    a short text would not show it."""
+    make_fork(tmp_path, [edit])
+    save = ("import torch, train_gpt2 as t; from dataclasses import asdict; torch.manual_seed(0);"
+            "model = t.GPT(t.GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=32));"
+            "torch.save({'model': model.state_dict(), 'config': asdict(model.config), 'kind': 'base'}, 'ckpt.pt')")
+    proc = subprocess.run([sys.executable, "-c", save], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    proc = run_in(tmp_path, "export_hf.py", "--ckpt", "ckpt.pt", "--out_dir", "hf")
+    if edit is UNTIED_HEAD:
+        assert proc.returncode == 0 and "logits match ours" in proc.stdout, proc.stderr
+        with open(tmp_path / "hf" / "config.json") as f:
+            assert '"tie_word_embeddings": false' in f.read()
+    else:
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+        assert "block 0's output differs from GPT-2's from token 20 on" in lines[0], lines[0]
+
+
+def test_the_guides_attention_window_holds_when_sampling_with_the_kv_cache(tmp_path):
+    """A mask edited into attention must cover sampling too, where the KV cache feeds one token at a time (T = 1,
+    the keys before it cached) and the stock code runs unmasked. The guide's window, synced into sample.py: a
+    token's logits do not depend on a token past the window, and the samples of a seed with the cache are those
+    without it."""
+    edits = [edit for edit in guide_edits() if "attn_window" in edit[2]]
+    assert len(edits) == 3, edits  # the config field, kept in the attention, the mask
+    make_fork(tmp_path, edits)
+    check = ("import torch, sample as s; torch.manual_seed(0);"
+             "model = s.GPT(s.GPTConfig(block_size=64, n_layer=1, n_head=2, n_embd=32, attn_window=8)).eval();"
+             "logits = lambda idx: (lambda out: out[0] if isinstance(out, tuple) else out)(model(idx));"
+             "idx = torch.randint(0, 50257, (1, 40)); other = idx.clone(); other[0, 20] += 1;"
+             "print((logits(idx)[0, 28] - logits(other)[0, 28]).abs().max().item(),"
+             "(logits(idx)[0, 27] - logits(other)[0, 27]).abs().max().item());"
+             "runs = [torch.cat(list(s.generate(model, idx[:, :5], 50, 50257, generator=torch.Generator().manual_seed(1), use_cache=c)), 1)"
+             " for c in (True, False)]; print(torch.equal(*runs), len(set(runs[0][0].tolist())))")
+    proc = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (past_window, in_window), (same, distinct) = [line.split() for line in proc.stdout.split("\n")[:2]]
+    assert float(past_window) == 0 and float(in_window) > 0  # token 20 is 8 before 28: outside; 7 before 27: in
+    assert same == "True" and int(distinct) > 10
+
+
+def test_the_guides_new_midtraining_task_trains_and_holds_out_its_val(base_ckpt, tmp_path):
+    """The guide's ARC kind, declared in mid_train.py's table alone: --data arc:FILE reads its rows as ARC's,
+    not as another kind's, trains on them and holds out its val."""
+    edits = [edit for edit in guide_edits() if "arc_conversation" in edit[2]]
+    assert len(edits) == 2, edits  # the function, the table's entry
+    make_fork(tmp_path, edits)
+    rows = [{"question": f"Which is warmer, {i}?", "choices": {"text": ["ice", "sun"], "label": ["A", "B"]},
+             "answerKey": "B"} for i in range(40)]
+    with open(tmp_path / "arc.jsonl", "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    proc = run_in(tmp_path, "mid_train.py", *MID, "--init_ckpt", base_ckpt, "--data", "arc:arc.jsonl",
+                  "--max_steps", 2, "--out_dir", "mid")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "val: arc:arc.jsonl held out, 4 conversations" in proc.stdout, proc.stdout
+    assert "train: arc:arc.jsonl, 36 conversations x1" in proc.stdout, proc.stdout

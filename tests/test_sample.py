@@ -103,9 +103,12 @@ def test_cpu_decoding_uses_one_thread_unless_omp_num_threads_is_set(base_ckpt):
 
 def test_calculator_evaluates_arithmetic_and_refuses_anything_else():
     cases = {"48/2": "24", "12/60": "0.2", "1,000*3 - 2**10": "1976", "-(7 // 2) % 5": "2", "(1 + 2) * -3": "-9",
-             "'strawberry'.count('r')": "3"}  # the letter count SpellingBee teaches
+             "'strawberry'.count('r')": "3",  # the letter count SpellingBee teaches
+             # commas are dropped between thousands only, never inside a string
+             "2,500 + 1,000,000": "1002500", "'a,b'.count(',')": "1", "'1,000'.count(',')": "1",
+             '"x,,y".count(",")': "2"}
     assert {text: sample.calculate(text) for text in cases} == cases
-    for text in ["__import__('os').system('echo hacked')", "open('/etc/passwd').read()", "x + 1", "print(1)",
+    for text in ["1,0000", "1,2", "__import__('os').system('echo hacked')", "open('/etc/passwd').read()", "x + 1", "print(1)",
                  "(lambda: 1)()", "[1] * 3", "'a' * 3", "abs(-1)", "2 if 1 else 3", "'ab'.count(__name__)",
                  "9**9**9", "10**40", "1e999", "1/0", "(-8) ** 0.5", "1 +" * 100 + "1", ""]:
         assert sample.calculate(text) is None, text  # parsed, never run: nothing but arithmetic, bounded
