@@ -532,6 +532,10 @@ def init_distributed(device):
     # torch.cuda.set_device needs an index ("cuda" names none): the first GPU, or under torchrun the rank's own
     if device == "cuda" or (device.startswith("cuda") and world_size > 1):
         device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}"
+    # the caching allocator's expandable segments (unless set otherwise) cut fragmentation when shapes vary (evals,
+    # sampling); the trainers' start-up line says so
+    if device.startswith("cuda"):
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     try:  # a device this machine lacks, or a name torch does not take, fails here
         if device.startswith("cuda"):
             torch.cuda.set_device(device)  # the current device: NCCL's, CUDA RNG state's, new tensors'

@@ -689,14 +689,21 @@ def build_data(args, enc, capacity):
 
 class RowLoader:
     """(B, T) inputs and targets (-1 where no loss) on the device, from packed rows; each rank reads its own
-    B rows of every B * world_size. The row position, pos, is all the state there is: checkpoints hold it."""
+    B rows of every B * world_size. The row position and the pass over the rows (epoch) are all the state there
+    is: checkpoints hold it."""
 
     def __init__(self, tokens, mask, B, rank, world_size, device):
         # uint16: widened a batch at a time
         self.tokens, self.mask = torch.from_numpy(tokens), torch.from_numpy(mask)
         self.B, self.rank, self.device = B, rank, device
         self.micro_step_rows = B * world_size  # the rows of a micro-batch on every rank
-        self.pos = 0
+        self.pos, self.epoch = 0, 0
+
+    def state(self):
+        return {"pos": self.pos, "epoch": self.epoch}
+
+    def load_state(self, state):
+        self.pos, self.epoch = state["pos"], state.get("epoch", 0)  # a checkpoint from before epochs were kept
 
     def batch_start(self, pos):
         """Where the micro-batch at pos really starts: 0 when too few rows are left, for another pass."""
@@ -713,7 +720,10 @@ class RowLoader:
         return count
 
     def next_batch(self):
-        self.pos = self.batch_start(self.pos)
+        start = self.batch_start(self.pos)
+        if start < self.pos:  # another pass over the rows
+            self.epoch += 1
+        self.pos = start
         start = self.pos + self.B * self.rank  # this rank's rows of the micro-batch
         rows = slice(start, start + self.B)
         self.pos += self.micro_step_rows
@@ -824,10 +834,16 @@ def main(argv=None):
             f"--val_fraction, or give more data")
     if not len(val_tokens):
         die("no val conversations: raise --val_fraction or give more data")
-    for split, mask in (("train", train_mask), ("val", val_mask)):
-        if not mask[:, 1:].any():  # e.g. conversations of user turns only
-            die(f"the {split} conversations have no token to learn (no assistant reply); give conversations "
-                f"with replies, or --train_on all")
+    val_rows = len(val_tokens)
+    if args.eval_tokens:  # each eval reads the first rows of the val split, at least one
+        val_rows = min(val_rows, max(1, args.eval_tokens // T))
+    # the val bits per byte count the bytes of each learned target that is text (not a special token)
+    token_bytes = token_byte_counts(enc, raw_model.config.vocab_size, "cpu")
+    val_text = token_bytes[torch.from_numpy(val_tokens[:val_rows, 1:].astype(np.int64))]
+    for split, learned in (("train", train_mask[:, 1:].any()), ("val", val_text[val_mask[:val_rows, 1:]].any())):
+        if not learned:  # e.g. conversations of user turns only, or too few val rows read
+            die(f"the {split} conversations that are read have no token to learn that is text (no assistant "
+                f"reply); give conversations with replies, --train_on all, or a higher --eval_tokens")
     if checkpoint and checkpoint["num_train_rows"] != len(train_tokens):
         die(f"--resume with other data: {len(train_tokens)} train rows now, {checkpoint['num_train_rows']} in the "
             f"checkpoint; resume with the same --data, --seq_len and --seed")
@@ -837,15 +853,12 @@ def main(argv=None):
     # ---- the loaders
     train_loader = RowLoader(train_tokens, train_mask, B, rank, world_size, device)
     # Every rank must run as many val batches as the others (the stop check, the all-reduce and FSDP's
-    # forwards are collectives): the val rows are padded to whole micro-batches on every rank, with rows that
-    # have no target (they add nothing to the loss or its count).
-    if args.eval_tokens:  # the first rows of the val split, at least one
-        val_rows = max(1, args.eval_tokens // T)
-        val_tokens, val_mask = val_tokens[:val_rows], val_mask[:val_rows]
-    pad = -len(val_tokens) % micro_step_rows
-    val_tokens = np.concatenate([val_tokens, np.full((pad, T + 1), EOT_TOKEN, val_tokens.dtype)])
-    val_mask = np.concatenate([val_mask, np.zeros((pad, T + 1), bool)])
-    val_loader = RowLoader(val_tokens, val_mask, B, rank, world_size, device)
+    # forwards are collectives): the val rows read are padded to whole micro-batches on every rank, with rows
+    # that have no target (they add nothing to the loss or its count).
+    pad = -val_rows % micro_step_rows
+    eval_tokens = np.concatenate([val_tokens[:val_rows], np.full((pad, T + 1), EOT_TOKEN, val_tokens.dtype)])
+    eval_mask = np.concatenate([val_mask[:val_rows], np.zeros((pad, T + 1), bool)])
+    val_loader = RowLoader(eval_tokens, eval_mask, B, rank, world_size, device)
 
     # ---- the training setup
     # raw_model is what is saved, sampled and scored; model is what trains and evaluates (DDP-wrapped,
@@ -854,20 +867,21 @@ def main(argv=None):
     raw_model.to(device)
     dtype = autocast_dtype(args.dtype, device)
     model, optimizers, scaler, autocast_ctx = setup_training(raw_model, args, dtype, device)
-    token_bytes = token_byte_counts(enc, raw_model.config.vocab_size, device)  # for val bits per byte
+    token_bytes = token_bytes.to(device)
 
     # ---- the run's state, in every checkpoint: a continued run takes it back whole
     state = dict(step=0, loader=None, val_loss=None, best={"val_loss": math.inf, "val_bpb": math.inf}, tokens=0,
                  train_seconds=0.0, wandb_run_id=None, chat_tokens=CHAT_TOKENS, num_train_rows=len(train_tokens))
     if checkpoint:
         restore_run(checkpoint, state, raw_model, optimizers, scaler)
-        train_loader.pos = state["loader"]["pos"]
+        train_loader.load_state(state["loader"])
         print0(f"resuming from {args.resume_checkpoint} at step {state['step']}")
     start_step = state["step"]
     log = RunLog(args, state, flops_per_token(raw_model, T), device)
     print0(setup_line(raw_model, args, device, dtype))
     print0(f"{n_train:,} train conversations (with epochs) in {len(train_tokens):,} rows of {T + 1} tokens, "
-           f"{cropped} cropped; {n_val:,} val conversations in {len(val_tokens) - pad:,} rows")
+           f"{cropped} cropped; {n_val:,} val conversations in {len(val_tokens):,} rows, of which each eval reads "
+           f"{val_rows:,}")
 
     @torch.no_grad()
     def evaluate_val_loss():
@@ -876,7 +890,7 @@ def main(argv=None):
         val_loader.pos = 0
         # the loss summed over the learned tokens, their count, and the text targets' nats and bytes
         sums = torch.zeros(4, device=device)
-        for i in progress(range(len(val_tokens) // micro_step_rows), "val loss"):
+        for i in progress(range(len(eval_tokens) // micro_step_rows), "val loss"):
             if i % 16 == 15:  # a preempted job stops within seconds
                 stop_if_asked(device)
             x, y = val_loader.next_batch()
@@ -892,7 +906,7 @@ def main(argv=None):
         return loss_sum / count, text_nats / (math.log(2) * text_bytes)
 
     def save():
-        state["loader"] = {"pos": train_loader.pos}
+        state["loader"] = train_loader.state()
         save_checkpoint(raw_model, optimizers, scaler, args, state, kind="mid")
 
     reply_end = {enc.encode_single_token("<|assistant_end|>"), EOT_TOKEN}
@@ -902,7 +916,6 @@ def main(argv=None):
             last_step = step == args.max_steps
             # (a continued run evaluates where it goes on from: its checkpoint's last eval may be off the grid)
             eval_now = args.eval_every and (step % args.eval_every == 0 or last_step or step == start_step)
-            stop_if_asked(device)  # SIGTERM or Ctrl-C on any rank: every rank stops here, and saves (below)
 
             # once in a while evaluate the val loss
             if eval_now:
@@ -934,15 +947,20 @@ def main(argv=None):
                 log.summary(step)
                 break
 
-            # one optimizer step; rows of prompts only have no loss to learn from, and an optimizer step would
-            # still move the weights (momentum, weight decay): the rows are passed over and the step does nothing
+            # one optimizer step; SIGTERM or Ctrl-C on any rank ends the run here (or in an eval) on every rank
             t0 = time.perf_counter()
+            stop_if_asked(device)  # every rank waits here for the slowest: the step's time counts that wait
             learning_rates = set_schedule(optimizers, lr_multiplier(step, args), step, args)
             step_tokens = train_loader.step_tokens(grad_accum_steps)  # the targets the step learns, on all ranks
+            # Rows of prompts only have no loss to learn from, and an optimizer step would still move the weights
+            # (momentum, weight decay): the rows are read and the step does nothing, but for the tokens it counts
+            # and the pruning after a save.
             if step_tokens == 0:
                 for _ in range(grad_accum_steps):
                     train_loader.next_batch()
                 print0(f"step {step:5d}/{args.max_steps} | no token to learn in its rows: skipped")
+                judge_checkpoint(args, step, {}, scaler, saved)
+                state["tokens"] += args.total_batch_size
                 continue
             metrics = train_step(model, optimizers, scaler, train_loader.next_batch, grad_accum_steps,
                                  step_tokens, args.grad_clip, autocast_ctx)
@@ -950,7 +968,7 @@ def main(argv=None):
             seconds = time.perf_counter() - t0
             # the step's loss judges the weights it started from: a checkpoint of them is kept, or it diverged
             judge_checkpoint(args, step, metrics, scaler, saved)
-            log.step(step, {**metrics, **learning_rates}, seconds)  # a line every --log_every steps
+            log.step(step, {**metrics, **learning_rates}, seconds, train_loader.epoch)  # a line every --log_every steps
     except StopRun:
         stop_run(args, state, save)
     end_run(args)
@@ -969,6 +987,10 @@ def init_distributed(device):
     # torch.cuda.set_device needs an index ("cuda" names none): the first GPU, or under torchrun the rank's own
     if device == "cuda" or (device.startswith("cuda") and world_size > 1):
         device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}"
+    # the caching allocator's expandable segments (unless set otherwise) cut fragmentation when shapes vary (evals,
+    # sampling); the trainers' start-up line says so
+    if device.startswith("cuda"):
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     try:  # a device this machine lacks, or a name torch does not take, fails here
         if device.startswith("cuda"):
             torch.cuda.set_device(device)  # the current device: NCCL's, CUDA RNG state's, new tensors'
@@ -1033,12 +1055,12 @@ def setup_training(raw_model, args, dtype, device):
             die("--fsdp shards AdamW in bfloat16 or float32 over processes: launch with torchrun "
                 "--nproc_per_node=N, without --optimizer muon or float16 (--dtype float32 on a GPU without it)")
         # FSDP2: each block, then the rest (embedding tied with the head, final norm). With bfloat16 the
-        # blocks compute in it from fp32 master weights, and gradients are reduced in fp32.
+        # blocks compute in it from fp32 master weights, and gradients are reduced in fp32. Autocast stays on, so
+        # that the norms and the loss run in float32, as under DDP.
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         for block in raw_model.transformer.h:
             fully_shard(block, mp_policy=policy)
         fully_shard(raw_model, mp_policy=policy)
-        autocast_ctx = nullcontext()  # FSDP's mixed-precision policy casts instead
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and newer
@@ -1068,10 +1090,13 @@ def setup_line(raw_model, args, device, dtype):
     if world_size > 1:
         parallelism = "FSDP" if args.fsdp else "DDP"
     grad_accum_steps = args.total_batch_size // (args.micro_batch_size * args.seq_len * world_size)
-    return (f"{num_params(raw_model):,} parameters, {parameter_mib(raw_model):.1f} MiB of them per rank "
+    line = (f"{num_params(raw_model):,} parameters, {parameter_mib(raw_model):.1f} MiB of them per rank "
             f"({parallelism}) | {device} {str(dtype).removeprefix('torch.')} | {args.max_steps} steps of "
             f"{args.total_batch_size:,} tokens = {grad_accum_steps} x {args.micro_batch_size} x {args.seq_len} x "
             f"{world_size}")
+    if device.startswith("cuda"):
+        line += f" | PYTORCH_CUDA_ALLOC_CONF={os.environ['PYTORCH_CUDA_ALLOC_CONF']}"
+    return line
 
 
 def num_params(model):
@@ -1639,18 +1664,28 @@ class RunLog:
             write_file(self.path, lambda f: f.write("".join(kept).encode()),
                        "free space in --out_dir or give another one")
             if args.wandb_project:
-                import wandb
-                try:
-                    wandb.init(project=args.wandb_project, name=args.run, id=state["wandb_run_id"],
-                               resume="allow", config=vars(args), dir=args.out_dir)
-                except wandb.errors.Error as e:  # not logged in (and no WANDB_MODE), a bad key, no network
-                    die(f"--wandb_project: wandb cannot start ({str(e).splitlines()[0]}); run `wandb login`, or "
-                        f"set WANDB_MODE=offline to log locally (wandb sync uploads it later)")
-                state["wandb_run_id"] = wandb.run.id
+                self.start_wandb()
         environment = run_environment(device)
         self({"step": state["step"], "flags": vars(args), "environment": environment},
              "flags: " + " ".join(f"--{key} {value}" for key, value in vars(args).items())
              + "\nenvironment: " + json.dumps(environment))
+
+    def start_wandb(self):
+        """wandb's run: a continued one goes on from the checkpoint's step (resume_from), where wandb drops the
+        records of the launch before that came after it, as log.jsonl does."""
+        import wandb
+        run_id, step = self.state["wandb_run_id"], self.state["step"]
+        go_on = {"resume_from": f"{run_id}?_step={step}"} if run_id else {}
+        try:
+            wandb.init(project=self.args.wandb_project, name=self.args.run, config=vars(self.args),
+                       dir=self.args.out_dir, **go_on)
+        except wandb.errors.Error as e:  # not logged in (and no WANDB_MODE), a bad key, no network
+            die(f"--wandb_project: wandb cannot start ({str(e).splitlines()[0]}); run `wandb login`, or set "
+                f"WANDB_MODE=offline to log locally (wandb sync uploads it later)")
+        self.state["wandb_run_id"] = wandb.run.id
+        if go_on and wandb.run.offline:
+            print(f"wandb is offline: wandb sync uploads this launch into run {run_id} from step {step} on, where "
+                  f"W&B drops what the launch before logged from that step", flush=True)
 
     def __call__(self, record, line):
         record = {**record, "time": round(time.time(), 3)}  # wall-clock seconds since 1970
@@ -1673,29 +1708,35 @@ class RunLog:
         best = self.state["best"]
         self.state["best"] = {"val_loss": min(best["val_loss"], val_loss), "val_bpb": min(best["val_bpb"], val_bpb)}
         line = f"step {step:5d} | val loss {val_loss:.4f} | val bpb {val_bpb:.4f}"
-        self({"step": step, "val_loss": val_loss, "val_bpb": val_bpb, **more},
+        so_far = {"tokens": self.state["tokens"], "flops": self.flops_per_token * self.state["tokens"]}
+        self({"step": step, "val_loss": val_loss, "val_bpb": val_bpb, **more, **so_far},
              line + "".join(f" | {name} {value:,}" for name, value in more.items()))
 
-    def step(self, step, metrics, seconds):
+    def step(self, step, metrics, seconds, epoch):
         """A trained step: its tokens and time go to the run's state; every --log_every steps (and at the last) a
         line and a record give the means since the last line (loss, gradient norm and any metric train_step
-        adds), the last loss and lr, tok/s and MFU over the interval's time, and the tokens so far. Each step's
-        time is rank 0's, which waits in the step's all-reduce for the slowest rank: so tok/s (over all ranks)
-        and MFU (over all devices) are the slowest rank's. Memory is rank 0's."""
+        adds), the last loss and learning rates, tok/s and MFU over the interval's time, the tokens and training
+        time so far and the data's epoch. A step's time starts where the ranks agree on a stop (stop_if_asked), so
+        a rank there waits for the others' work between steps (rank 0's log, its pruning); the interval's time is
+        the slowest rank's, and so are tok/s (over all ranks) and MFU (over all devices). Memory is rank 0's."""
         self.state["tokens"] += self.args.total_batch_size
         self.state["train_seconds"] += seconds
         self.interval.append((metrics, seconds))
         if step % self.args.log_every and step != self.args.max_steps - 1:
             return
-        seconds = sum(step_seconds for _, step_seconds in self.interval)
+        seconds = torch.tensor(sum(step_seconds for _, step_seconds in self.interval), device=self.device)
+        if world_size > 1:
+            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        seconds = seconds.item()
         means = {name: sum(m[name] for m, _ in self.interval) / len(self.interval) for name in metrics}
         # the learning rates of the step logged, and its loss
         means.update({name: value for name, value in metrics.items() if name.endswith("lr")}, last_loss=metrics["loss"])
         step_seconds = seconds / len(self.interval)
         interval_tokens = self.args.total_batch_size * len(self.interval)
         tokens = self.state["tokens"]
-        record = {"step": step, **means, "tokens": tokens, "ms": step_seconds * 1000,
-                  "tok_per_s": interval_tokens / seconds, "peak_mem_gib": peak_memory_gib(self.device),
+        record = {"step": step, **means, "tokens": tokens, "train_seconds": self.state["train_seconds"],
+                  "epoch": epoch, "ms": step_seconds * 1000, "tok_per_s": interval_tokens / seconds,
+                  "peak_mem_gib": peak_memory_gib(self.device),
                   "eta_s": step_seconds * (self.args.max_steps - 1 - step)}  # at the interval's speed
         self.interval = []
         line = (f"step {step:5d}/{self.args.max_steps} | loss {means['loss']:.6f} | lr {means['lr']:.4e} | "
@@ -1703,8 +1744,9 @@ class RunLog:
         for name, value in means.items():  # the metrics added in train_step
             if name not in ("loss", "lr", "grad_norm", "last_loss"):
                 line += f"{name} {value:.4g} | "
-        line += (f"{step_seconds * 1000:.1f} ms | {record['tok_per_s']:,.0f} tok/s | {tokens:,} tokens "
-                 f"| mem {record['peak_mem_gib']:.2f} GiB | eta {record['eta_s'] / 60:,.1f} min")
+        line += (f"{step_seconds * 1000:.1f} ms | {record['tok_per_s']:,.0f} tok/s | {tokens:,} tokens | epoch {epoch} "
+                 f"| {self.state['train_seconds'] / 60:,.1f} min | mem {record['peak_mem_gib']:.2f} GiB "
+                 f"| eta {record['eta_s'] / 60:,.1f} min")
         if self.peak_flops:
             record["mfu"] = self.flops_per_token * interval_tokens / seconds / (self.peak_flops * world_size)
             line += f" | MFU {record['mfu'] * 100:.1f}%"

@@ -600,7 +600,6 @@ def main(argv=None):
             last_step = step == args.max_steps
             # (a continued run evaluates where it goes on from: its checkpoint's last eval may be off the grid)
             eval_now = args.eval_every and (step % args.eval_every == 0 or last_step or step == start_step)
-            stop_if_asked(device)  # SIGTERM or Ctrl-C on any rank: every rank stops here, and saves (below)
 
             # once in a while evaluate the val loss
             if eval_now:
@@ -638,8 +637,9 @@ def main(argv=None):
                 log.summary(step, hellaswag_acc_norm=state["hellaswag_acc_norm"])
                 break
 
-            # one optimizer step
+            # one optimizer step; SIGTERM or Ctrl-C on any rank ends the run here (or in an eval) on every rank
             t0 = time.perf_counter()
+            stop_if_asked(device)  # every rank waits here for the slowest: the step's time counts that wait
             learning_rates = set_schedule(optimizers, lr_multiplier(step, args), step, args)
             metrics = train_step(model, optimizers, scaler, train_loader.next_batch, grad_accum_steps,
                                  args.total_batch_size, args.grad_clip, autocast_ctx)
@@ -647,7 +647,7 @@ def main(argv=None):
             seconds = time.perf_counter() - t0
             # the step's loss judges the weights it started from: a checkpoint of them is kept, or it diverged
             judge_checkpoint(args, step, metrics, scaler, saved)
-            log.step(step, {**metrics, **learning_rates}, seconds)  # a line every --log_every steps
+            log.step(step, {**metrics, **learning_rates}, seconds, train_loader.epoch)  # a line every --log_every steps
     except StopRun:
         stop_run(args, state, save)
     end_run(args)
@@ -668,6 +668,10 @@ def init_distributed(device):
     # torch.cuda.set_device needs an index ("cuda" names none): the first GPU, or under torchrun the rank's own
     if device == "cuda" or (device.startswith("cuda") and world_size > 1):
         device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}"
+    # the caching allocator's expandable segments (unless set otherwise) cut fragmentation when shapes vary (evals,
+    # sampling); the trainers' start-up line says so
+    if device.startswith("cuda"):
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     try:  # a device this machine lacks, or a name torch does not take, fails here
         if device.startswith("cuda"):
             torch.cuda.set_device(device)  # the current device: NCCL's, CUDA RNG state's, new tensors'
@@ -732,12 +736,12 @@ def setup_training(raw_model, args, dtype, device):
             die("--fsdp shards AdamW in bfloat16 or float32 over processes: launch with torchrun "
                 "--nproc_per_node=N, without --optimizer muon or float16 (--dtype float32 on a GPU without it)")
         # FSDP2: each block, then the rest (embedding tied with the head, final norm). With bfloat16 the
-        # blocks compute in it from fp32 master weights, and gradients are reduced in fp32.
+        # blocks compute in it from fp32 master weights, and gradients are reduced in fp32. Autocast stays on, so
+        # that the norms and the loss run in float32, as under DDP.
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         for block in raw_model.transformer.h:
             fully_shard(block, mp_policy=policy)
         fully_shard(raw_model, mp_policy=policy)
-        autocast_ctx = nullcontext()  # FSDP's mixed-precision policy casts instead
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and newer
@@ -767,10 +771,13 @@ def setup_line(raw_model, args, device, dtype):
     if world_size > 1:
         parallelism = "FSDP" if args.fsdp else "DDP"
     grad_accum_steps = args.total_batch_size // (args.micro_batch_size * args.seq_len * world_size)
-    return (f"{num_params(raw_model):,} parameters, {parameter_mib(raw_model):.1f} MiB of them per rank "
+    line = (f"{num_params(raw_model):,} parameters, {parameter_mib(raw_model):.1f} MiB of them per rank "
             f"({parallelism}) | {device} {str(dtype).removeprefix('torch.')} | {args.max_steps} steps of "
             f"{args.total_batch_size:,} tokens = {grad_accum_steps} x {args.micro_batch_size} x {args.seq_len} x "
             f"{world_size}")
+    if device.startswith("cuda"):
+        line += f" | PYTORCH_CUDA_ALLOC_CONF={os.environ['PYTORCH_CUDA_ALLOC_CONF']}"
+    return line
 
 
 def num_params(model):
@@ -1338,18 +1345,28 @@ class RunLog:
             write_file(self.path, lambda f: f.write("".join(kept).encode()),
                        "free space in --out_dir or give another one")
             if args.wandb_project:
-                import wandb
-                try:
-                    wandb.init(project=args.wandb_project, name=args.run, id=state["wandb_run_id"],
-                               resume="allow", config=vars(args), dir=args.out_dir)
-                except wandb.errors.Error as e:  # not logged in (and no WANDB_MODE), a bad key, no network
-                    die(f"--wandb_project: wandb cannot start ({str(e).splitlines()[0]}); run `wandb login`, or "
-                        f"set WANDB_MODE=offline to log locally (wandb sync uploads it later)")
-                state["wandb_run_id"] = wandb.run.id
+                self.start_wandb()
         environment = run_environment(device)
         self({"step": state["step"], "flags": vars(args), "environment": environment},
              "flags: " + " ".join(f"--{key} {value}" for key, value in vars(args).items())
              + "\nenvironment: " + json.dumps(environment))
+
+    def start_wandb(self):
+        """wandb's run: a continued one goes on from the checkpoint's step (resume_from), where wandb drops the
+        records of the launch before that came after it, as log.jsonl does."""
+        import wandb
+        run_id, step = self.state["wandb_run_id"], self.state["step"]
+        go_on = {"resume_from": f"{run_id}?_step={step}"} if run_id else {}
+        try:
+            wandb.init(project=self.args.wandb_project, name=self.args.run, config=vars(self.args),
+                       dir=self.args.out_dir, **go_on)
+        except wandb.errors.Error as e:  # not logged in (and no WANDB_MODE), a bad key, no network
+            die(f"--wandb_project: wandb cannot start ({str(e).splitlines()[0]}); run `wandb login`, or set "
+                f"WANDB_MODE=offline to log locally (wandb sync uploads it later)")
+        self.state["wandb_run_id"] = wandb.run.id
+        if go_on and wandb.run.offline:
+            print(f"wandb is offline: wandb sync uploads this launch into run {run_id} from step {step} on, where "
+                  f"W&B drops what the launch before logged from that step", flush=True)
 
     def __call__(self, record, line):
         record = {**record, "time": round(time.time(), 3)}  # wall-clock seconds since 1970
@@ -1372,29 +1389,35 @@ class RunLog:
         best = self.state["best"]
         self.state["best"] = {"val_loss": min(best["val_loss"], val_loss), "val_bpb": min(best["val_bpb"], val_bpb)}
         line = f"step {step:5d} | val loss {val_loss:.4f} | val bpb {val_bpb:.4f}"
-        self({"step": step, "val_loss": val_loss, "val_bpb": val_bpb, **more},
+        so_far = {"tokens": self.state["tokens"], "flops": self.flops_per_token * self.state["tokens"]}
+        self({"step": step, "val_loss": val_loss, "val_bpb": val_bpb, **more, **so_far},
              line + "".join(f" | {name} {value:,}" for name, value in more.items()))
 
-    def step(self, step, metrics, seconds):
+    def step(self, step, metrics, seconds, epoch):
         """A trained step: its tokens and time go to the run's state; every --log_every steps (and at the last) a
         line and a record give the means since the last line (loss, gradient norm and any metric train_step
-        adds), the last loss and lr, tok/s and MFU over the interval's time, and the tokens so far. Each step's
-        time is rank 0's, which waits in the step's all-reduce for the slowest rank: so tok/s (over all ranks)
-        and MFU (over all devices) are the slowest rank's. Memory is rank 0's."""
+        adds), the last loss and learning rates, tok/s and MFU over the interval's time, the tokens and training
+        time so far and the data's epoch. A step's time starts where the ranks agree on a stop (stop_if_asked), so
+        a rank there waits for the others' work between steps (rank 0's log, its pruning); the interval's time is
+        the slowest rank's, and so are tok/s (over all ranks) and MFU (over all devices). Memory is rank 0's."""
         self.state["tokens"] += self.args.total_batch_size
         self.state["train_seconds"] += seconds
         self.interval.append((metrics, seconds))
         if step % self.args.log_every and step != self.args.max_steps - 1:
             return
-        seconds = sum(step_seconds for _, step_seconds in self.interval)
+        seconds = torch.tensor(sum(step_seconds for _, step_seconds in self.interval), device=self.device)
+        if world_size > 1:
+            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        seconds = seconds.item()
         means = {name: sum(m[name] for m, _ in self.interval) / len(self.interval) for name in metrics}
         # the learning rates of the step logged, and its loss
         means.update({name: value for name, value in metrics.items() if name.endswith("lr")}, last_loss=metrics["loss"])
         step_seconds = seconds / len(self.interval)
         interval_tokens = self.args.total_batch_size * len(self.interval)
         tokens = self.state["tokens"]
-        record = {"step": step, **means, "tokens": tokens, "ms": step_seconds * 1000,
-                  "tok_per_s": interval_tokens / seconds, "peak_mem_gib": peak_memory_gib(self.device),
+        record = {"step": step, **means, "tokens": tokens, "train_seconds": self.state["train_seconds"],
+                  "epoch": epoch, "ms": step_seconds * 1000, "tok_per_s": interval_tokens / seconds,
+                  "peak_mem_gib": peak_memory_gib(self.device),
                   "eta_s": step_seconds * (self.args.max_steps - 1 - step)}  # at the interval's speed
         self.interval = []
         line = (f"step {step:5d}/{self.args.max_steps} | loss {means['loss']:.6f} | lr {means['lr']:.4e} | "
@@ -1402,8 +1425,9 @@ class RunLog:
         for name, value in means.items():  # the metrics added in train_step
             if name not in ("loss", "lr", "grad_norm", "last_loss"):
                 line += f"{name} {value:.4g} | "
-        line += (f"{step_seconds * 1000:.1f} ms | {record['tok_per_s']:,.0f} tok/s | {tokens:,} tokens "
-                 f"| mem {record['peak_mem_gib']:.2f} GiB | eta {record['eta_s'] / 60:,.1f} min")
+        line += (f"{step_seconds * 1000:.1f} ms | {record['tok_per_s']:,.0f} tok/s | {tokens:,} tokens | epoch {epoch} "
+                 f"| {self.state['train_seconds'] / 60:,.1f} min | mem {record['peak_mem_gib']:.2f} GiB "
+                 f"| eta {record['eta_s'] / 60:,.1f} min")
         if self.peak_flops:
             record["mfu"] = self.flops_per_token * interval_tokens / seconds / (self.peak_flops * world_size)
             line += f" | MFU {record['mfu'] * 100:.1f}%"

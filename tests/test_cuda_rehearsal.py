@@ -61,6 +61,9 @@ def test_train_gpt2_as_typed_on_a_gpu_machine(gpu_run):
     """python train_gpt2.py: cuda:0 in bf16, compiled, with the samples, HellaSwag and the MFU of an H100."""
     out, proc = gpu_run
     assert "| cuda:0 bfloat16 |" in proc.stdout
+    # the caching allocator's expandable segments, said in the start-up line and kept in the log (issue 55.8)
+    assert "| PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in proc.stdout
+    assert read_log(out)[0]["environment"]["variables"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     assert "compiling the model" in proc.stdout.split("step     0 |")[0]  # compile auto: on for CUDA, said first
     steps = [line for line in proc.stdout.splitlines() if line.startswith("step ") and "/4 | loss" in line]
     assert len(steps) == 4 and all("| MFU " in line for line in steps)  # the H100's peak, by the device's name

@@ -76,6 +76,11 @@ def test_val_bits_per_byte_equals_an_independent_computation(shards, tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["best_val_bpb"] == min(r["val_bpb"] for r in read_log(out) if "val_bpb" in r)
     assert summary["tokens"] == 4 * 256 and summary["train_seconds"] > 0 and summary["flops"] > 0
+    # the val record says the tokens and FLOPs so far, and a step record the training time and the data's epoch
+    # (issue 55.7)
+    assert logged["tokens"] == 4 * 256 and logged["flops"] == summary["flops"]
+    steps = [r for r in read_log(out) if "loss" in r]
+    assert [r["epoch"] for r in steps] == [0] * 4 and 0 < steps[0]["train_seconds"] < steps[-1]["train_seconds"]
 
 
 def test_interval_means_equal_the_means_of_the_steps_on_one_and_two_processes(shards, tmp_path):
@@ -232,6 +237,23 @@ def test_a_midtraining_step_with_nothing_to_learn_is_skipped(base_ckpt, tmp_path
                "--num_samples", 0, "--val_fraction", 0.2, "--max_steps", 12, check=True)
     assert "no token to learn in its rows: skipped" in proc.stdout
     assert all(r["loss"] > 0 for r in read_log(tmp_path / "mid") if "loss" in r)
+    # a skipped step's rows count in the tokens read (issue 55.5): a row of 64 tokens a step
+    assert all(r["tokens"] == (r["step"] + 1) * 64 for r in read_log(tmp_path / "mid") if "loss" in r)
+
+
+def test_val_rows_with_no_text_to_learn_are_one_line(base_ckpt, tmp_path):
+    """Issue 55.5: empty replies leave the val rows only special tokens to learn (no bytes of text): one error line,
+    not a ZeroDivisionError in the val bits per byte."""
+    chat = tmp_path / "chat.jsonl"
+    with open(chat, "w") as f:
+        for i in range(30):
+            f.write(json.dumps([{"role": "user", "content": f"Say nothing {i}."}, {"role": "assistant", "content": ""}])
+                    + "\n")
+    proc = run("mid_train.py", "--init_ckpt", base_ckpt, "--out_dir", tmp_path / "mid", "--data", f"chat:{chat}",
+               "--device", "cpu", "--dtype", "float32", "--compile", "off", "--micro_batch_size", 2,
+               "--num_samples", 0, "--val_fraction", 0.2, "--max_steps", 2)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "no token to learn that is text" in lines[0], proc.stderr
 
 
 def test_a_new_run_into_a_folder_with_a_log_but_no_checkpoint_is_refused(shards, tmp_path):
@@ -324,3 +346,17 @@ def test_a_dry_run_leaves_nothing_behind_on_any_exit(shards, tmp_path):
                             cwd=tmp_path, capture_output=True, text=True, env=env)
     assert failed.returncode == 2
     assert sorted(os.listdir(tmp_path)) == ["tmp"] and os.listdir(scratch) == []
+
+
+def test_the_step_time_is_the_slowest_ranks_with_rank_0s_work_between_steps(shards, tmp_path):
+    """Issue 55.3: rank 0 alone writes the log between steps (here a slow disk: 0.5 s a record, in a copy of the
+    script); the other rank waits for it in the next step, so the step's time, tok/s and MFU must count it."""
+    source = open(os.path.join(REPO, "train_gpt2.py")).read()
+    anchor = '        record = {**record, "time": round(time.time(), 3)}  # wall-clock seconds since 1970\n'
+    assert anchor in source
+    fork = tmp_path / "train_gpt2.py"
+    fork.write_text(source.replace(anchor, anchor + "        time.sleep(0.5 if master_process else 0)\n"))
+    torchrun(str(fork), *TINY, "--data_dir", shards, "--out_dir", tmp_path / "run", "--max_steps", 4,
+             "--eval_every", 100, "--save_every", 100)
+    steps = [r for r in read_log(tmp_path / "run") if "loss" in r]
+    assert len(steps) == 4 and all(r["ms"] > 450 for r in steps[1:]), [r["ms"] for r in steps]

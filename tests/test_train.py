@@ -189,8 +189,14 @@ def test_wandb_offline_run_holds_metrics_and_continues_on_resume(shards, tmp_pat
     assert "val_loss" in logged[4]
     run_id = torch.load(str(out / "ckpt_0000004.pt"), weights_only=True)["wandb_run_id"]
     assert run_dirs[0].endswith(run_id)
-    run("train_gpt2.py", *flags, "--max_steps", 8, "--resume", check=True)
+    proc = run("train_gpt2.py", *flags, "--max_steps", 8, "--resume", check=True)
     assert all(d.endswith(run_id) for d in glob.glob(str(out / "wandb" / "offline-run-*")))
+    # the launch that goes on asks wandb to go on from the checkpoint's step (resume_from), where log.jsonl goes
+    # on, and says what wandb will show once synced (issue 55.2)
+    second = sorted(set(glob.glob(str(out / "wandb" / "offline-run-*"))) - set(run_dirs))
+    assert len(second) == 1 and b"branch_point" in open(glob.glob(f"{second[0]}/run-*.wandb")[0], "rb").read()
+    assert min(r["_step"] for r in read_wandb_history(second[0])) == 4
+    assert f"wandb is offline: wandb sync uploads this launch into run {run_id} from step 4 on" in proc.stdout
 
 
 def write_shard(path, tokens, magic=20240520, truncate=0):
