@@ -568,28 +568,6 @@ def main(argv=None):
     print0(f"train data: {args.data_order} order, {len(train_files)} shards, an epoch is {epoch_tokens:,} tokens "
            f"= {epoch_tokens / args.total_batch_size:,.1f} steps")
 
-    @torch.no_grad()
-    def evaluate_val_loss():
-        """The mean val loss over the same val tokens every time, and the val bits per byte: the nats of the
-        targets that are text over ln 2 times their bytes."""
-        val_loader.seek(0, 0, 0, 0)
-        loss_sum, text_nats, text_bytes = torch.zeros(3, device=device)
-        for i in progress(range(val_steps), "val loss"):
-            if i % 16 == 15:  # a preempted job stops within seconds
-                stop_if_asked(device)
-            x, y = val_loader.next_batch()
-            with autocast_ctx:
-                _, losses = model(x, y, reduction="none")  # each target's loss
-            loss_sum += losses.mean()
-            target_bytes = token_bytes[y.view(-1)]
-            text_nats += (losses * (target_bytes > 0)).sum()  # masked by a product: no host sync
-            text_bytes += target_bytes.sum()
-        sums = torch.stack([loss_sum, text_nats, text_bytes])
-        if world_size > 1:
-            dist.all_reduce(sums)
-        loss_sum, text_nats, text_bytes = sums.tolist()  # a host sync
-        return loss_sum / val_steps / world_size, text_nats / (math.log(2) * text_bytes)
-
     def save():
         state["loader"] = train_loader.state()
         save_checkpoint(raw_model, optimizers, scaler, args, state, kind="base")
@@ -603,7 +581,9 @@ def main(argv=None):
 
             # once in a while evaluate the val loss
             if eval_now:
-                val_loss, val_bpb = evaluate_val_loss()
+                val_loader.seek(0, 0, 0, 0)  # the same val tokens every time
+                val_loss, val_bpb = evaluate_val_loss(model, val_loader.next_batch, val_steps, token_bytes,
+                                                      autocast_ctx, device)
                 judge_checkpoint(args, step, {"val_loss": val_loss}, scaler, saved=False)
                 log.val(step, val_loss, val_bpb, val_tokens=val_tokens)
 
@@ -1069,8 +1049,11 @@ def continue_run(args, argv, fixed, kind):
         take_defaults(args, argv, {"out_dir": os.path.join("out", args.run)})
     args.resume_checkpoint = None
     if args.dry_run:
-        refuse_ignored(argv, {"--dry_run, which reads and writes no out_dir": (True, [
-            "out_dir", "run", "resume", "save_every", "keep_checkpoints", "wandb_project"])})
+        refuse_ignored(argv, {"--dry_run, which reads no out_dir": (True, ["resume"])})
+        unused = [f"--{name}" for name in ("out_dir", "run", "save_every", "keep_checkpoints", "wandb_project")
+                  if name in given_flags(argv)]
+        if unused:
+            print0(f"--dry_run reads and writes no out_dir: {', '.join(unused)} go unused")
         args.save_every = 0
         return
     refuse_ignored(argv, {"--save_every 0": (args.save_every == 0, ["keep_checkpoints"])})
@@ -1111,13 +1094,19 @@ def continue_run(args, argv, fixed, kind):
 
 
 def take_out_dir(args):
-    """Rank 0 takes --out_dir before any work (prepare_out_dir); a dry run takes none. A new run refuses a folder
-    that holds the log of a run without a checkpoint to go on from: nothing of that run is overwritten."""
+    """Rank 0 takes --out_dir before any work (prepare_out_dir); a dry run takes none. The log and summary of a run
+    that saved no checkpoint to go on from (--save_every 0, or killed before its first save) are kept beside the new
+    run's, under the time they were set aside."""
     if master_process and not args.dry_run:
         prepare_out_dir(args.out_dir)
-        if not args.resume_checkpoint and os.path.exists(os.path.join(args.out_dir, "log.jsonl")):
-            die(f"--out_dir {args.out_dir} holds the log of a run that saved no checkpoint to go on from; give "
-                f"another --out_dir, or move its log.jsonl away to start anew there")
+        earlier = [name for name in ("log.jsonl", "summary.json") if os.path.exists(os.path.join(args.out_dir, name))]
+        if not args.resume_checkpoint and earlier:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            kept = [name.replace(".", f".{stamp}.") for name in earlier]  # log.20261126-101500.jsonl
+            for name, new_name in zip(earlier, kept):
+                os.replace(os.path.join(args.out_dir, name), os.path.join(args.out_dir, new_name))
+            print(f"--out_dir {args.out_dir} held a run that saved no checkpoint: its {' and '.join(earlier)} are kept "
+                  f"as {' and '.join(kept)}; this run starts anew")
 
 
 def restore_run(checkpoint, state, raw_model, optimizers, scaler):
@@ -1483,6 +1472,31 @@ def peak_memory_gib(device):
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # the process's peak: KiB, on macOS bytes
     return peak_rss / (2**30 if sys.platform == "darwin" else 2**20)
 # ---- end shared: logging ----
+
+
+# ---- shared: val ----
+@torch.no_grad()
+def evaluate_val_loss(model, next_batch, batches, token_bytes, autocast_ctx, device):
+    """The mean loss per learned target (-1 marks a target not learned) over `batches` val batches on every rank,
+    and the val bits per byte: the nats of the learned targets that are text over ln 2 times their bytes. A stop
+    signal on any rank ends it (StopRun), asked every 16 batches: a preempted job stops within seconds."""
+    # the loss summed over the learned targets, their count, and the text targets' nats and bytes
+    sums = torch.zeros(4, device=device)
+    for i in progress(range(batches), "val loss"):
+        if i % 16 == 15:
+            stop_if_asked(device)
+        x, y = next_batch()
+        with autocast_ctx:
+            _, losses = model(x, y, reduction="none")  # each target's loss, 0 where not learned
+        learned = y.view(-1) >= 0
+        target_bytes = token_bytes[y.view(-1)] * learned
+        # summed on the device, text targets masked by a product: no host sync
+        sums += torch.stack([losses.sum(), learned.sum(), (losses * (target_bytes > 0)).sum(), target_bytes.sum()])
+    if world_size > 1:
+        dist.all_reduce(sums)
+    loss_sum, count, text_nats, text_bytes = sums.tolist()  # a host sync
+    return loss_sum / count, text_nats / (math.log(2) * text_bytes)
+# ---- end shared: val ----
 
 
 # ---- shared: signals ----

@@ -173,12 +173,11 @@ CASES = [
          expect="--keep_checkpoints does nothing with --save_every 0"),
     case("train-init_from-model", "train_gpt2.py", "--init_from", "gpt2", "--model", "gpt2-medium",
          expect="--model does nothing with --init_from"),
-    case("train-dry_run-out_dir", "train_gpt2.py", *DATA, "--dry_run", expect="--out_dir does nothing with --dry_run"),
     case("train-dry_run-resume", "train_gpt2.py", "--dry_run", "--resume", expect="--resume does nothing with --dry_run"),
     case("mid-eval_every-0-eval_tokens", "mid_train.py", *MID, "--eval_every", 0, "--eval_tokens", 64,
          expect="--eval_tokens does nothing with --eval_every 0"),
-    case("mid-dry_run-save_every", "mid_train.py", "--init_ckpt", "{tmp}/ckpt.pt", "--dry_run", "--save_every", 5,
-         expect="--save_every does nothing with --dry_run"),
+    case("mid-dry_run-resume", "mid_train.py", "--init_ckpt", "{tmp}/ckpt.pt", "--dry_run", "--resume",
+         expect="--resume does nothing with --dry_run"),
 ]
 
 

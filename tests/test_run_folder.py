@@ -187,6 +187,7 @@ def test_a_dry_run_writes_nothing_and_flags_that_do_nothing_are_refused(shards, 
     proc = run("train_gpt2.py", *TINY, "--data_dir", shards, "--out_dir", out, "--max_steps", 2, "--eval_every", 2,
                "--dry_run", check=True)
     assert not out.exists() and "summary: best_val_loss" in proc.stdout
+    assert "--dry_run reads and writes no out_dir: --out_dir go unused" in proc.stdout  # issue 56.11
     for flag, mode in (("--muon_lr", "--optimizer adamw"), ("--hellaswag_every", "no --hellaswag_file")):
         proc = run("train_gpt2.py", *TINY, "--data_dir", shards, "--out_dir", out, flag, 5)
         assert proc.returncode == 2 and proc.stderr == f"error: {flag} does nothing with {mode}; drop it\n"
@@ -256,17 +257,19 @@ def test_val_rows_with_no_text_to_learn_are_one_line(base_ckpt, tmp_path):
     assert proc.returncode == 2 and len(lines) == 1 and "no token to learn that is text" in lines[0], proc.stderr
 
 
-def test_a_new_run_into_a_folder_with_a_log_but_no_checkpoint_is_refused(shards, tmp_path):
+def test_a_new_run_into_a_folder_with_a_log_but_no_checkpoint_keeps_that_log(shards, tmp_path):
     """Issue 56.2: a run that saved no checkpoint (--save_every 0, or killed before its first save) leaves only its
-    log and summary; a new run into that folder must not empty the one and replace the other."""
+    log and summary; a new run into that folder keeps them whole beside its own, and says so."""
     out = tmp_path / "nosave"
     command = [*TINY, "--data_dir", shards, "--out_dir", out, "--max_steps", 2, "--eval_every", 2]
     run("train_gpt2.py", *command, "--save_every", 0, check=True)
     log, summary = (out / "log.jsonl").read_bytes(), (out / "summary.json").read_bytes()
-    proc = run("train_gpt2.py", *command)
-    assert proc.returncode == 2 and proc.stderr.startswith("error: --out_dir") and "no checkpoint" in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    assert (out / "log.jsonl").read_bytes() == log and (out / "summary.json").read_bytes() == summary
+    proc = run("train_gpt2.py", *command, check=True)
+    assert "held a run that saved no checkpoint" in proc.stdout and "this run starts anew" in proc.stdout
+    kept_logs, kept_summaries = glob.glob(str(out / "log.*-*.jsonl")), glob.glob(str(out / "summary.*-*.json"))
+    assert len(kept_logs) == len(kept_summaries) == 1, os.listdir(out)
+    assert open(kept_logs[0], "rb").read() == log and open(kept_summaries[0], "rb").read() == summary
+    assert [r["step"] for r in read_log(out) if "loss" in r] == [0, 1]  # the new run's own log
 
 
 def test_pruning_neither_counts_nor_deletes_an_unreadable_checkpoint(shards, tmp_path):
@@ -303,7 +306,7 @@ def test_an_optimizer_state_that_does_not_fit_is_one_line(shards, tmp_path):
     assert tie in source
     fork = tmp_path / "train_gpt2.py"
     fork.write_text(source.replace(tie, ""))
-    proc = subprocess.run([sys.executable, str(fork), *map(str, command), "--max_steps", 4], capture_output=True,
+    proc = subprocess.run([sys.executable, str(fork), *map(str, command), "--max_steps", "4"], capture_output=True,
                           text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO, timeout=600)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and "optimizer" in lines[0], proc.stderr[-3000:]
@@ -327,7 +330,8 @@ def test_when_stdout_fails_the_run_goes_on_and_says_so_on_stderr(shards, tmp_pat
 
 def test_a_dry_run_leaves_nothing_behind_on_any_exit(shards, tmp_path):
     """Issue 55.4: a dry run reads and writes no folder: stopped by a signal it says it keeps nothing, and neither a
-    stop nor an error leaves a file anywhere (a temporary folder included)."""
+    stop nor an error leaves a folder behind, in the working folder or the temporary one (where only the libraries'
+    caches go)."""
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(scratch)}
@@ -345,18 +349,19 @@ def test_a_dry_run_leaves_nothing_behind_on_any_exit(shards, tmp_path):
     failed = subprocess.run([*map(str, cmd[:2]), *map(str, TINY), "--data_dir", tmp_path / "none", "--dry_run"],
                             cwd=tmp_path, capture_output=True, text=True, env=env)
     assert failed.returncode == 2
-    assert sorted(os.listdir(tmp_path)) == ["tmp"] and os.listdir(scratch) == []
+    assert sorted(os.listdir(tmp_path)) == ["tmp"]
+    assert set(os.listdir(scratch)) <= {"data-gym-cache", "torchinductor_root"}, os.listdir(scratch)  # tiktoken's, torch's
 
 
 def test_the_step_time_is_the_slowest_ranks_with_rank_0s_work_between_steps(shards, tmp_path):
-    """Issue 55.3: rank 0 alone writes the log between steps (here a slow disk: 0.5 s a record, in a copy of the
+    """Issue 55.3: rank 0 alone writes the log between steps (here a slow disk: 2 s a record, in a copy of the
     script); the other rank waits for it in the next step, so the step's time, tok/s and MFU must count it."""
     source = open(os.path.join(REPO, "train_gpt2.py")).read()
     anchor = '        record = {**record, "time": round(time.time(), 3)}  # wall-clock seconds since 1970\n'
     assert anchor in source
     fork = tmp_path / "train_gpt2.py"
-    fork.write_text(source.replace(anchor, anchor + "        time.sleep(0.5 if master_process else 0)\n"))
+    fork.write_text(source.replace(anchor, anchor + "        time.sleep(2 if master_process else 0)\n"))
     torchrun(str(fork), *TINY, "--data_dir", shards, "--out_dir", tmp_path / "run", "--max_steps", 4,
              "--eval_every", 100, "--save_every", 100)
     steps = [r for r in read_log(tmp_path / "run") if "loss" in r]
-    assert len(steps) == 4 and all(r["ms"] > 450 for r in steps[1:]), [r["ms"] for r in steps]
+    assert len(steps) == 4 and all(r["ms"] > 1900 for r in steps[1:]), [r["ms"] for r in steps]
