@@ -592,9 +592,10 @@ def main(argv=None):
                 correct, correct_norm, count = evaluate_hellaswag(
                     raw_model, hellaswag_examples, enc, device, 16, autocast_ctx, split_ranks=not args.fsdp,
                     should_stop=lambda: stop_if_asked(device))
-                acc, state["hellaswag_acc_norm"] = correct / count, correct_norm / count
-                log({"step": step, "hellaswag_acc": acc, "hellaswag_acc_norm": state["hellaswag_acc_norm"]},
-                    f"step {step:5d} | hellaswag acc {acc:.4f} acc_norm {state['hellaswag_acc_norm']:.4f} ({count})")
+                acc, acc_norm = correct / count, correct_norm / count
+                state["hellaswag_acc_norm"] = acc_norm  # the summary's
+                log({"step": step, "hellaswag_acc": acc, "hellaswag_acc_norm": acc_norm},
+                    f"step {step:5d} | hellaswag acc {acc:.4f} acc_norm {acc_norm:.4f} ({count})")
 
             # once in a while sample from the model (not at the start: it has learned nothing new yet); under
             # FSDP every rank runs the forward passes, as the weights are sharded
