@@ -40,10 +40,13 @@ while (($#)); do
             if [[ $1 == --bundle ]]; then bundle=${2%/}; else parts=$2; fi
             shift 2 ;;
         --dry_run) dry=1; shift ;;
-        *) die "unknown argument '$1'; usage: bash bench/gpu.sh [--bundle DIR] [--part 1|2|3|4|quick|next|later] [--dry_run]" ;;
+        *) die "unknown argument '$1'; usage: bash bench/gpu.sh [--bundle DIR] [--part PART] [--dry_run]" ;;
     esac
 done
-case $parts in 1 | 2 | 3 | 4 | quick | next | later | "1 2 3 4") ;; *) die "--part $parts: give 1, 2, 3, 4, quick, next or later" ;; esac
+case $parts in
+    1 | 2 | 3 | 4 | quick | next | later | "1 2 3 4") ;;
+    *) die "--part $parts: give 1, 2, 3, 4, quick, next or later" ;;
+esac
 compgen -G "$bundle/wheels/*.whl" >/dev/null || die "no wheels in $bundle/wheels: run bash bench/gpu_bundle.sh $bundle first"
 
 # The packages the GPU machine lacks, as its README installs them: no index (no internet there), no deps (the bundle

@@ -15,12 +15,13 @@ The variants live here, not in the trainers' flags; one that wins becomes the de
     winners        the single variants above that beat the first baseline by 1% or more, together (in a dry
                    run, all of them)
     all            every single variant that ran, together (unless the same as winners)
-A variant that cannot run on this GPU, or would not end before --seconds with the closing baseline after it
-(estimated from the first baseline's steps and COMPILE_S below), is skipped: a JSON line says why.
+A variant that fails has a line with its error, and the rest go on. A variant that cannot run on this GPU, or
+would not end before --seconds with the closing baseline after it (estimated from the first baseline's steps and
+COMPILE_S below), is skipped: a JSON line says why.
 
-    python bench/gpu_ab.py --out out/gpu/ab.jsonl              # on a GPU
-    python bench/gpu_ab.py --dry_run      # a tiny model anywhere, to check every path (the CPU's flash attention
-                                          # stands in for cuDNN's)
+    python bench/gpu_ab.py --out out/gpu/ab.jsonl     # on a GPU
+    python bench/gpu_ab.py --dry_run    # a tiny model anywhere, to check every path (the CPU's flash attention
+                                        # stands in for cuDNN's)
 """
 
 import argparse
@@ -116,7 +117,8 @@ def main():
     p.add_argument("--seconds", type=tg.positive_int, help="skip a variant that would not end in this time (the "
                    "closing baseline's time kept); default: no limit")
     p.add_argument("--out", help="a JSON-lines file each variant's line is appended to as it is measured")
-    p.add_argument("--dry_run", action="store_true", help="a tiny model (vocab 512) at seq 64, micro-batch 4 unless given")
+    p.add_argument("--dry_run", action="store_true",
+                   help="a tiny model (vocab 512) at seq 64, micro-batch 4 unless given")
     args = p.parse_args()
     cuda = torch.cuda.is_available()
     if not cuda and not args.dry_run:
@@ -166,7 +168,11 @@ def main():
         if skipped:
             record(dict(variant=variant, applied=applied, skipped=skipped))
             continue
-        result = measure(variant, applied, args, cuda)
+        try:
+            result = measure(variant, applied, args, cuda)
+        except Exception as e:  # a variant this GPU or torch cannot run (no kernel, out of memory): the rest go on
+            record(dict(variant=variant, applied=applied, error=f"{type(e).__name__}: {str(e).splitlines()[0]}"))
+            continue
         result["vs_baseline"] = round(result["tok_per_s"] / first["tok_per_s"], 4)
         record(result)
         if variant in SINGLE:
