@@ -213,19 +213,19 @@ partquick() {  # one device call: each step gets at most its share of what is le
 partnext() {  # one device call of at most 6 minutes (issue 57), so that a second still fits a lease of 15: where
     # the time goes at micro-batch 64 (bench/gpu_profile.py), the candidate speed-ups as variants of one A/B process
     # (bench/gpu_ab.py), then build-nanogpt at micro-batch 64 unless this card is the H200 it was measured on (a
-    # ratio holds on one card only); each step capped, results in $results as they come. A dry run's CPU gets 5x.
-    local budget=340; [[ $dry ]] && budget=1700
-    local end=$((SECONDS + budget))
+    # ratio holds on one card only); each step capped, results in $results as they come
+    local x=1; [[ $dry ]] && x=5  # a dry run's CPU: 5x the time of each cap
+    local end=$((SECONDS + 340 * x))
     capped() { local left=$((end - SECONDS > 1 ? end - SECONDS : 1)); cap=(timeout -k 5 $(($1 < left ? $1 : left))); }
     local card; card=$(python3 -c 'import torch; print(torch.cuda.get_device_name())')
-    local peer=1 peer_s=80; [[ $card == "NVIDIA H200" ]] && peer= peer_s=0
+    local peer=1 peer_s=$((80 * x)); [[ $card == "NVIDIA H200" ]] && peer= peer_s=0
     local profile=(--out_dir "$results" --warmup_steps 3 --timed_steps 3 --profiled_steps 1)
     local ab=(--out "$results/ab.jsonl") size=(--micro_batches 64 --steps 12)
     if [[ $dry ]]; then
         profile+=(--dry_run --warmup_steps 1 --timed_steps 1) ab+=(--dry_run --warmup_steps 1 --timed_steps 1)
         size=(--dry_run --micro_batches 16)
     fi
-    capped 90; step profile_B64 python3 bench/gpu_profile.py --micro_batch_size 64 "${profile[@]}"
+    capped $((90 * x)); step profile_B64 python3 bench/gpu_profile.py --micro_batch_size 64 "${profile[@]}"
     # the A/B gets what is left but the peer's share, and plans its variants to end 15 s inside its cap
     local ab_s=$((end - SECONDS - peer_s))
     capped $ab_s; step ab python3 bench/gpu_ab.py "${ab[@]}" --seconds $((ab_s > 30 ? ab_s - 15 : 15))
