@@ -215,7 +215,7 @@ partnext() {  # one device call of at most 6 minutes (issue 57), so that a secon
     # (bench/gpu_ab.py), then build-nanogpt at micro-batch 64 unless this card is the H200 it was measured on (a
     # ratio holds on one card only); each step capped, results in $results as they come
     local x=1; [[ $dry ]] && x=5  # a dry run's CPU: 5x the time of each cap
-    local end=$((SECONDS + 340 * x))
+    local end=$((SECONDS + 330 * x))  # with the bundle's install and the header, under 6 minutes
     capped() { local left=$((end - SECONDS > 1 ? end - SECONDS : 1)); cap=(timeout -k 5 $(($1 < left ? $1 : left))); }
     local card; card=$(python3 -c 'import torch; print(torch.cuda.get_device_name())')
     local peer=1 peer_s=$((80 * x)); [[ $card == "NVIDIA H200" ]] && peer= peer_s=0
