@@ -191,7 +191,7 @@ def main(argv=None):
         block.register_forward_pre_hook(lambda module, args: ours.append(args[0]))
     model.transformer.ln_f.register_forward_hook(lambda module, args, output: ours.append(output))
     with torch.no_grad():
-        logits, _ = model(ids)
+        logits = model(ids)
         theirs = loaded(ids, output_hidden_states=True)
     ours.append(logits[:, :, :enc.n_vocab])  # over the tokenizer's vocab
     diff = (ours[-1] - theirs.logits).abs().max().item()
@@ -412,9 +412,10 @@ class GPT(nn.Module):
             torch.nn.init.zeros_(module.bias)
 
     def forward(self, idx, targets=None, kv_cache=None, reduction="mean"):
-        """The logits of every position, and with targets (-1 where ignored) the cross-entropy loss over
-        them: their mean, or with reduction="sum" their sum (0 where there are none), which training divides
-        itself. Returns (logits, loss), loss None without targets."""
+        """The logits of every position; or, given targets (-1 where ignored), only the cross-entropy loss over
+        them: their mean, with reduction="sum" their sum (0 where there are none), which training divides
+        itself, or with reduction="none" each target's. No logits with a loss: a compiled graph's unused output
+        would get a zero-filled gradient as large as the logits (pytorch/pytorch#131794)."""
         T = idx.size(1)
         start = kv_cache.pos if kv_cache is not None else 0  # the position of the first new token
         assert start + T <= self.config.block_size, f"{start + T} tokens are past the context {self.config.block_size}"
@@ -426,11 +427,10 @@ class GPT(nn.Module):
         if kv_cache is not None:
             kv_cache.pos += T
         logits = self.lm_head(x)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1,
-                                   reduction=reduction)
-        return logits, loss
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1,
+                               reduction=reduction)
 # ---- end shared: model ----
 
 

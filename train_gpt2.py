@@ -250,9 +250,10 @@ class GPT(nn.Module):
             torch.nn.init.zeros_(module.bias)
 
     def forward(self, idx, targets=None, kv_cache=None, reduction="mean"):
-        """The logits of every position, and with targets (-1 where ignored) the cross-entropy loss over
-        them: their mean, or with reduction="sum" their sum (0 where there are none), which training divides
-        itself. Returns (logits, loss), loss None without targets."""
+        """The logits of every position; or, given targets (-1 where ignored), only the cross-entropy loss over
+        them: their mean, with reduction="sum" their sum (0 where there are none), which training divides
+        itself, or with reduction="none" each target's. No logits with a loss: a compiled graph's unused output
+        would get a zero-filled gradient as large as the logits (pytorch/pytorch#131794)."""
         T = idx.size(1)
         start = kv_cache.pos if kv_cache is not None else 0  # the position of the first new token
         assert start + T <= self.config.block_size, f"{start + T} tokens are past the context {self.config.block_size}"
@@ -264,11 +265,10 @@ class GPT(nn.Module):
         if kv_cache is not None:
             kv_cache.pos += T
         logits = self.lm_head(x)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1,
-                                   reduction=reduction)
-        return logits, loss
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1,
+                               reduction=reduction)
 # ---- end shared: model ----
 
 
@@ -453,7 +453,7 @@ def train_step(model, optimizers, scaler, next_batch, grad_accum_steps, step_tok
         elif hasattr(model, "set_requires_gradient_sync"):  # FSDP (also through torch.compile's wrapper)
             model.set_requires_gradient_sync(last_micro_step)
         with autocast_ctx:
-            logits, loss = model(x, y, reduction="sum")
+            loss = model(x, y, reduction="sum")
         # The step's loss is the mean over all its targets, on all ranks: the sum of the per-token losses
         # divided by step_tokens. DDP and FSDP average the ranks' gradients (their sum / world_size), so each
         # rank scales its sum by world_size / step_tokens. In pretraining every token is a target, and this
@@ -1488,7 +1488,7 @@ def evaluate_val_loss(model, next_batch, batches, token_bytes, autocast_ctx, dev
             stop_if_asked(device)
         x, y = next_batch()
         with autocast_ctx:
-            _, losses = model(x, y, reduction="none")  # each target's loss, 0 where not learned
+            losses = model(x, y, reduction="none")  # each target's loss, 0 where not learned
         learned = y.view(-1) >= 0
         target_bytes = token_bytes[y.view(-1)] * learned
         # summed on the device, text targets masked by a product: no host sync
@@ -1617,7 +1617,7 @@ def score_hellaswag(model, rendered, device, n_vocab, autocast_ctx=nullcontext()
     # the positions whose next token is an ending token: only their predictions are scored
     scored = torch.tensor([m[1:] + [0] * (width - len(m)) for _, m in rows], device=device).bool()
     with autocast_ctx:
-        logits, _ = model(tokens)
+        logits = model(tokens)
     # the loss of each scored prediction, over the tokenizer's vocab (padding ids excluded)
     scored_logits = logits[:, :-1][scored][:, :n_vocab].float()
     losses = torch.zeros(scored.shape, device=device)
@@ -1674,7 +1674,7 @@ def sample_tokens(model, prompts, new_tokens, n_vocab, generator, autocast_ctx):
     tokens = prompts
     for _ in range(new_tokens):
         with autocast_ctx:
-            logits, _ = model(tokens[:, -model.config.block_size:])
+            logits = model(tokens[:, -model.config.block_size:])
         logits = logits[:, -1, :n_vocab].float()  # the last position's, over the tokenizer's vocab
         kth_largest = torch.topk(logits, 50).values[:, [-1]]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))  # top-k: the 50 likeliest

@@ -35,7 +35,7 @@ def teach(model, args):
         seq = torch.randint(*TEACH_IDS, (8, args.length), generator=generator)
         idx = torch.cat([seq, seq], dim=1)
         with torch.autocast("cpu", torch.bfloat16):
-            logits, _ = model(idx)
+            logits = model(idx)
         loss = F.cross_entropy(logits[:, args.length:-1].flatten(0, 1).float(), idx[:, args.length + 1:].flatten())
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -76,7 +76,7 @@ def main():
         if args.teach_steps:
             teach(model, args)
         with torch.no_grad():
-            logits, _ = model(idx)
+            logits = model(idx)
         losses = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), idx[:, 1:].flatten(), reduction="none")
         losses = losses.view(args.batch, -1)
         first_pass = losses[:, : args.length - 1].mean().item()  # tokens 1..L-1: nothing to copy from yet

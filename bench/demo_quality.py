@@ -55,7 +55,7 @@ def loss_per_byte(model, tokens, nbytes, max_tokens):
     y = torch.from_numpy(tokens[1:n + 1].astype(np.int64)).view(-1, T)
     nats = 0.0
     for i in range(0, len(x), 8):
-        logits, _ = model(x[i:i + 8])
+        logits = model(x[i:i + 8])
         nats += F.cross_entropy(logits.flatten(0, 1).float(), y[i:i + 8].flatten(), reduction="sum").item()
     return nats / n, nats / nbytes[y.numpy()].sum()
 

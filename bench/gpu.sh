@@ -17,14 +17,17 @@
 #                                # minutes of device time: test_cuda.py, ours against the peer at micro-batch 64,
 #                                # the largest micro-batch in 24 GiB, a run with default flags under torchrun, an
 #                                # exact resume, HellaSwag; each step capped so that the whole ends in time
-#   bash bench/gpu.sh --part next   # one call of 9 minutes for what the quick part left: where the time goes at
-#                                # micro-batches 64 and 32 (bench/gpu_profile.py), and at 64 with cuDNN's attention;
-#                                # ours against the peer at 32; a small base model then a short mid_train.py run;
-#                                # each step capped
+#   bash bench/gpu.sh --part next   # one call of at most 6 minutes (issue 57): where the time goes at micro-batch
+#                                # 64 (bench/gpu_profile.py), then the candidate speed-ups against the baseline in
+#                                # one A/B process (bench/gpu_ab.py, $OUT/ab.jsonl), then build-nanogpt at 64 when
+#                                # the card is not the H200 it was measured on; each step capped
+#   bash bench/gpu.sh --part later  # one call of 9 minutes: the profile at micro-batch 32, ours against the peer
+#                                # at 32, a small base model then a short mid_train.py run; each step capped
 #   bash bench/gpu.sh --dry_run  # anywhere (CPU): every part with tiny models and few steps, on a GPU machine
 #                                # faked by tests/fake_cuda, so that the scripts take their CUDA path
 #
-# Options: --bundle DIR (default .gpu_bundle), --part 1|2|3|4|quick|next (default: all four in order), --dry_run.
+# Options: --bundle DIR (default .gpu_bundle), --part 1|2|3|4|quick|next|later (default: all four in order),
+# --dry_run.
 # A step that fails is marked FAIL and the part goes on; the exit status is 1 if any step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,10 +40,13 @@ while (($#)); do
             if [[ $1 == --bundle ]]; then bundle=${2%/}; else parts=$2; fi
             shift 2 ;;
         --dry_run) dry=1; shift ;;
-        *) die "unknown argument '$1'; usage: bash bench/gpu.sh [--bundle DIR] [--part 1|2|3|4] [--dry_run]" ;;
+        *) die "unknown argument '$1'; usage: bash bench/gpu.sh [--bundle DIR] [--part PART] [--dry_run]" ;;
     esac
 done
-case $parts in 1 | 2 | 3 | 4 | quick | next | "1 2 3 4") ;; *) die "--part $parts: give 1, 2, 3, 4, quick or next" ;; esac
+case $parts in
+    1 | 2 | 3 | 4 | quick | next | later | "1 2 3 4") ;;
+    *) die "--part $parts: give 1, 2, 3, 4, quick, next or later" ;;
+esac
 compgen -G "$bundle/wheels/*.whl" >/dev/null || die "no wheels in $bundle/wheels: run bash bench/gpu_bundle.sh $bundle first"
 
 # The packages the GPU machine lacks, as its README installs them: no index (no internet there), no deps (the bundle
@@ -204,20 +210,43 @@ partquick() {  # one device call: each step gets at most its share of what is le
     cap=()
 }
 
-partnext() {  # one device call after partquick: each step gets at most its share of what is left of 520 s
+partnext() {  # one device call of at most 6 minutes (issue 57), so that a second still fits a lease of 15: where
+    # the time goes at micro-batch 64 (bench/gpu_profile.py), the candidate speed-ups as variants of one A/B process
+    # (bench/gpu_ab.py), then build-nanogpt at micro-batch 64 unless this card is the H200 it was measured on (a
+    # ratio holds on one card only); each step capped, results in $results as they come
+    local x=1; [[ $dry ]] && x=5  # a dry run's CPU: 5x the time of each cap
+    local end=$((SECONDS + 330 * x))  # with the bundle's install and the header, under 6 minutes
+    capped() { local left=$((end - SECONDS > 1 ? end - SECONDS : 1)); cap=(timeout -k 5 $(($1 < left ? $1 : left))); }
+    local card; card=$(python3 -c 'import torch; print(torch.cuda.get_device_name())')
+    local peer=1 peer_s=$((80 * x)); [[ $card == "NVIDIA H200" ]] && peer= peer_s=0
+    local profile=(--out_dir "$results" --warmup_steps 3 --timed_steps 3 --profiled_steps 1)
+    local ab=(--out "$results/ab.jsonl") size=(--micro_batches 64 --steps 12)
+    if [[ $dry ]]; then
+        profile+=(--dry_run --warmup_steps 1 --timed_steps 1) ab+=(--dry_run --warmup_steps 1 --timed_steps 1)
+        size=(--dry_run --micro_batches 16)
+    fi
+    capped $((90 * x)); step profile_B64 python3 bench/gpu_profile.py --micro_batch_size 64 "${profile[@]}"
+    # the A/B gets what is left but the peer's share, and plans its variants to end 15 s inside its cap
+    local ab_s=$((end - SECONDS - peer_s))
+    capped $ab_s; step ab python3 bench/gpu_ab.py "${ab[@]}" --seconds $((ab_s > 30 ? ab_s - 15 : 15))
+    if [[ $peer ]]; then
+        capped $peer_s; step peer_B64 python3 bench/gpu_vs_peer.py --peer_only --peer "$bundle/peer/train_gpt2.py" \
+            --work_dir out/gpu/peer "${size[@]}"
+    else
+        echo "=== peer_B64: not run: build-nanogpt was measured on this card, $card (bench/RESULTS.md, issue 46)" \
+            | tee -a "$log"
+    fi
+    cap=()
+}
+
+partlater() {  # one device call after partnext: each step gets at most its share of what is left of 520 s
     local end=$((SECONDS + 520))
     capped() { cap=(timeout -k 5 $(($1 < end - SECONDS ? $1 : end - SECONDS))); }
     make_shards >"$results/shards.log" 2>&1 &  # on the CPU, while the GPU profiles
     local shards_made=$!
     local profile=(--out_dir "$results")
     [[ $dry ]] && profile+=(--dry_run --warmup_steps 1 --timed_steps 1 --profiled_steps 1)
-    capped 120; step profile_B64 python3 bench/gpu_profile.py --micro_batch_size 64 "${profile[@]}"
     capped 100; step profile_B32 python3 bench/gpu_profile.py --micro_batch_size 32 "${profile[@]}"
-    # cuDNN's attention, which torch leaves opt-in, against its default (flash attention) on Hopper; the dry
-    # run forces the CPU's flash attention instead, which takes the same path through the script
-    local attention=cudnn; [[ $dry ]] && attention=flash
-    capped 100; step profile_B64_$attention python3 bench/gpu_profile.py --micro_batch_size 64 \
-        --attention $attention "${profile[@]}"
     local size=(--micro_batches 32 --steps 15)
     [[ $dry ]] && size=(--dry_run --micro_batches 16)
     capped 170; step gpu_vs_peer_B32 python3 bench/gpu_vs_peer.py --peer "$bundle/peer/train_gpt2.py" \

@@ -4,8 +4,10 @@ model, AdamW, bf16 autocast, torch.compile and train_step are train_gpt2.py's ow
 step, on random tokens (speed does not depend on what they say). After the warm-up, some steps are timed plainly
 (tok/s and MFU, as train_gpt2.py computes them), then some under torch.profiler. Prints the kernels that take the
 most GPU time, the share of each kind (matmuls, attention, the loss, Triton's fused elementwise and norm kernels,
-the optimizer, copies), and how much of the wall time the GPU was idle; writes the profile as a gzipped Chrome
-trace (open it in https://ui.perfetto.dev) and the figures as JSON.
+the optimizer, fills and memsets, copies), how much of the wall time the GPU was idle, and the TFLOP/s the matmul
+kernels achieve (the linear layers' 6 FLOPs a weight a token over the matmul kernels' time); writes the profile as
+a gzipped Chrome trace (open it in https://ui.perfetto.dev) and the figures as JSON, with the torch, CUDA and cuDNN
+versions and the GPU's clocks (nvidia-smi's, before the warm-up and after the timed steps).
 
     python bench/gpu_profile.py --out_dir out/gpu/profile                     # on a GPU: micro-batch 64
     python bench/gpu_profile.py --out_dir out/gpu/profile --micro_batch_size 32
@@ -18,6 +20,7 @@ import gzip
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -39,7 +42,8 @@ KINDS = [
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "matmul", "aten::mm", "aten::addmm", "aten::bmm")),
     ("optimizer and gradient clipping", ("adam", "multi_tensor", "foreach")),
     ("fused elementwise and norms (Triton)", ("triton",)),
-    ("copies and fills", ("memcpy", "memset", "copy", "fill")),
+    ("fills and memsets", ("memset", "fill")),  # a zero-filled gradient, zeroed buffers
+    ("copies", ("memcpy", "copy")),
     ("communication", ("nccl", "allreduce")),
 ]
 
@@ -52,6 +56,21 @@ def kind_of(name):
     return "other"
 
 
+def gpu_clocks():
+    """nvidia-smi's view of the GPU now (clocks in MHz, power, temperature), or why there is none."""
+    if not torch.cuda.is_available():
+        return {"error": "no CUDA GPU"}
+    fields = "clocks.sm,clocks.max.sm,clocks.mem,clocks.max.mem,power.draw,temperature.gpu,driver_version"
+    try:
+        proc = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-i",
+                               str(torch.cuda.current_device())], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"error": str(e)}
+    if proc.returncode:
+        return {"error": (proc.stderr or proc.stdout).strip()}
+    return dict(zip(fields.split(","), (v.strip() for v in proc.stdout.splitlines()[0].split(","))))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--micro_batch_size", type=tg.positive_int, default=64)
@@ -61,7 +80,7 @@ def main():
     p.add_argument("--attention", choices=["auto", "cudnn", "flash"], default="auto",
                    help="SDPA's backend: auto is torch's own choice (train_gpt2.py's); cudnn or flash forces one")
     p.add_argument("--out_dir", default=os.path.join(REPO, "out", "gpu-profile"), help="trace and figures")
-    p.add_argument("--dry_run", action="store_true", help="a tiny model at seq 64; the CPU's ops profiled")
+    p.add_argument("--dry_run", action="store_true", help="a tiny model (vocab 512) at seq 64; the CPU's ops profiled")
     args = p.parse_args()
     cuda = torch.cuda.is_available()
     if not cuda and not args.dry_run:
@@ -71,7 +90,8 @@ def main():
     T, total = (64, 2 * B * 64) if args.dry_run else (1024, 524288)
     if total % (B * T):
         sys.exit(f"error: 524,288 tokens a step is not a whole number of micro-batches of {B} x {T}")
-    size = dict(n_layer=2, n_head=2, n_embd=64) if args.dry_run else tg.MODEL_SIZES["gpt2"]
+    # the dry run's vocab is small too: the CPU's bf16 matmuls of the head would take seconds a step
+    size = dict(n_layer=2, n_head=2, n_embd=64, vocab_size=512) if args.dry_run else tg.MODEL_SIZES["gpt2"]
     compile_flag = "on" if cuda else "off"  # train_gpt2.py's auto
     run_dir = tempfile.mkdtemp()  # get_args's out_dir: a new run, nothing of it kept
     train_args = tg.get_args(["--device", device, "--dtype", "bfloat16", "--compile", compile_flag,
@@ -81,8 +101,10 @@ def main():
     raw_model = tg.GPT(tg.GPTConfig(block_size=T, **size)).to(device)
     model, optimizers, scaler, autocast_ctx = tg.setup_training(raw_model, train_args, torch.bfloat16, device)
     flops_per_token = tg.flops_per_token(raw_model, T)
+    # every matmul kernel of a step is a linear layer's: 2 FLOPs a weight a token forward, 4 backward
+    linear_flops = 6 * sum(m.weight.numel() for m in raw_model.modules() if isinstance(m, torch.nn.Linear)) * total
     peak_flops = tg.PEAK_BF16_FLOPS.get(torch.cuda.get_device_name()) if cuda else None
-    x = torch.randint(0, 50257, (B, T), device=device)
+    x = torch.randint(0, min(raw_model.config.vocab_size, 50257), (B, T), device=device)
     y = torch.roll(x, -1, 1)
     grad_accum_steps = total // (B * T)
 
@@ -101,12 +123,17 @@ def main():
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if kernels else [])
     backend = {"auto": None, "cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[args.attention]
     name = torch.cuda.get_device_name() if cuda else "CPU (dry run)"
+    versions = dict(torch=torch.__version__, cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version())
+    clocks = dict(before=gpu_clocks())
+    print(f"torch {versions['torch']}, CUDA {versions['cuda']}, cuDNN {versions['cudnn']}; the GPU's clocks: "
+          f"{clocks['before']}", flush=True)
     print(f"{name}: GPT-2 {'tiny' if args.dry_run else '124M'}, seq {T}, micro-batch {B} x {grad_accum_steps} "
           f"micro-steps, bf16, compile {compile_flag}, attention {args.attention}; warm-up (compiles)", flush=True)
     # around every step: torch.compile settles the attention backend when it traces the first
     with sdpa_kernel([backend]) if backend else nullcontext():
         steps(args.warmup_steps)
         seconds = steps(args.timed_steps)
+        clocks["after_timed_steps"] = gpu_clocks()
         with profile(activities=activities) as prof:
             wall = steps(args.profiled_steps)
     tok_per_s = args.timed_steps * total / seconds
@@ -125,6 +152,13 @@ def main():
     print(f"{'kind':40} {'ms a step':>10} {'share':>7}")
     for kind, secs in sorted(by_kind.items(), key=lambda item: -item[1]):
         print(f"{kind:40} {1000 * secs / args.profiled_steps:10.1f} {100 * secs / busy:6.1f}%")
+    matmul_s = by_kind.get("matmul", 0) / args.profiled_steps
+    matmul_tflops = linear_flops / matmul_s / 1e12 if matmul_s else None
+    fill_s = by_kind.get("fills and memsets", 0) / args.profiled_steps
+    print(f"matmul kernels: {1000 * matmul_s:.1f} ms a step for the linear layers' {linear_flops / 1e12:.1f} TFLOP, "
+          f"{matmul_tflops or 0:.0f} TFLOP/s achieved" + (f" ({100e12 * matmul_tflops / peak_flops:.0f}% of the "
+          f"peak)" if peak_flops and matmul_tflops else "") + f"; fills and memsets: {1000 * fill_s:.1f} ms a step")
+    print(f"the GPU's clocks after the timed steps: {clocks['after_timed_steps']}")
     print("\nthe kernels that took the most time:")
     top = sorted(events, key=busy_of, reverse=True)[:25]
     for e in top:
@@ -140,7 +174,8 @@ def main():
     os.remove(trace)
     figures = dict(device=name, micro_batch_size=B, seq_len=T, attention=args.attention,
                    step_ms=1000 * seconds / args.timed_steps, tok_per_s=tok_per_s, mfu=mfu,
-                   profiled_wall_s=wall, busy_s=busy,
+                   profiled_wall_s=wall, busy_s=busy, versions=versions, gpu_clocks=clocks,
+                   matmul_tflops=matmul_tflops, fills_and_memsets_ms_a_step=1000 * fill_s,
                    ms_a_step_by_kind={k: 1000 * v / args.profiled_steps for k, v in by_kind.items()},
                    top_kernels=[dict(name=e.key, ms_a_step=busy_of(e) / 1e3 / args.profiled_steps,
                                      calls_a_step=e.count / args.profiled_steps) for e in top])

@@ -6,10 +6,11 @@
 # its 3.12 (the bundle's one wheel is pure Python); the CUDA code paths run here on a GPU faked by tests/fake_cuda
 # (what that cannot tell: tests/test_cuda_rehearsal.py), for real only there.
 #
-#   bash bench/gpu_rehearsal.sh [BUNDLE]      # BUNDLE: filled by bench/gpu_bundle.sh, default .gpu_bundle
+#   bash bench/gpu_rehearsal.sh [BUNDLE [PART]]   # BUNDLE: filled by bench/gpu_bundle.sh, default .gpu_bundle;
+#                                                 # PART: one part of bench/gpu.sh (next: the coming call), default 1-4
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bundle=${1:-.gpu_bundle}
+bundle=${1:-.gpu_bundle} part=(${2:+--part "$2"})
 compgen -G "$bundle/wheels/*.whl" >/dev/null \
     || { echo "error: no wheels in $bundle/wheels: run bash bench/gpu_bundle.sh $bundle first" >&2; exit 2; }
 
@@ -33,4 +34,4 @@ if unshare -n true 2>/dev/null; then
 else
     echo "note: unshare -n is refused here; offline by HF_HUB_OFFLINE=1 alone"
 fi
-env -u PYTHONPATH PATH="$PWD/$venv/bin:$PATH" HF_HUB_OFFLINE=1 "${offline[@]}" bash bench/gpu.sh --bundle "$bundle" --dry_run
+env -u PYTHONPATH PATH="$PWD/$venv/bin:$PATH" HF_HUB_OFFLINE=1 "${offline[@]}" bash bench/gpu.sh --bundle "$bundle" "${part[@]}" --dry_run

@@ -8,6 +8,7 @@ are set by substitution; its code is never copied into this repo.
 
     python bench/gpu_vs_peer.py --peer ../shared/peers/build-nanogpt/train_gpt2.py     # on a GPU
     python bench/gpu_vs_peer.py --dry_run      # CPU: a tiny model, 4 steps, to check paths and parsing
+    python bench/gpu_vs_peer.py --peer_only --micro_batches 64     # the peer alone (ours: bench/gpu_ab.py's baseline)
 """
 
 import argparse
@@ -124,6 +125,8 @@ def main():
     p.add_argument("--peer_compile", action="store_true", help="also run the peer with its use_compile = True")
     p.add_argument("--peak_flops", type=float, help="bf16 peak FLOP/s for MFU (known GPUs are detected)")
     p.add_argument("--work_dir", default=os.path.join(REPO, "out", "bench-gpu"), help="data, runs and the peer's copy")
+    p.add_argument("--peer_only", action="store_true", help="the peer alone, where ours was measured on this GPU "
+                   "otherwise (bench/gpu.sh --part next: bench/gpu_ab.py's baseline)")
     p.add_argument("--dry_run", action="store_true", help="tiny model, seq 64, 4 steps, on whatever device there is")
     args = p.parse_args()
     if not os.path.isfile(args.peer) or not os.path.isfile(os.path.join(os.path.dirname(args.peer), "hellaswag.py")):
@@ -148,8 +151,9 @@ def main():
         print(f"measured: {label}: {tok_s:,.0f} tok/s, peak {memory:.2f} GiB", flush=True)
 
     for B in args.micro_batches:  # at each B, ours then the peer's, back to back
-        measured(f"train_gpt2.py{'' if args.dry_run else ', compile'}, B={B}", B,
-                 *run_ours(work_dir, data_dir, B, T, total, steps, args.dry_run))
+        if not args.peer_only:
+            measured(f"train_gpt2.py{'' if args.dry_run else ', compile'}, B={B}", B,
+                     *run_ours(work_dir, data_dir, B, T, total, steps, args.dry_run))
         for compile_peer in ([False, True] if args.peer_compile else [False]):
             script, cache = peer_copy(args.peer, work_dir, B, T, total, steps, compile_peer, args.dry_run)
             name = f"build-nanogpt{' + use_compile' if compile_peer else ' (as shipped)'}, B={B}"
@@ -164,9 +168,10 @@ def main():
         mfu = f"{tok_s * flops_per_token / peak * 100:.1f}%" if peak else "n/a"
         ratio = f"{tok_s / peer_at[B]:.2f}x" if label.startswith("train_gpt2") else ""
         print(f"| {label} | {tok_s:,.0f} | {mfu} | {memory:.2f} | {ratio} |")
-    ours_best = max(tok_s for label, _, tok_s, _ in rows if label.startswith("train_gpt2"))
-    shipped = peer_at.get(64, max(peer_at.values()))
-    print(f"\nour best / build-nanogpt as shipped (B=64 where run): {ours_best / shipped:.2f}x")
+    if not args.peer_only:
+        ours_best = max(tok_s for label, _, tok_s, _ in rows if label.startswith("train_gpt2"))
+        shipped = peer_at.get(64, max(peer_at.values()))
+        print(f"\nour best / build-nanogpt as shipped (B=64 where run): {ours_best / shipped:.2f}x")
 
 
 if __name__ == "__main__":

@@ -98,7 +98,7 @@ def test_kv_cache_greedy_equals_no_cache_in_bf16(gpu_runs):
         parted = next((i for i, (a, b) in enumerate(zip(with_cache, without)) if a != b), N)
         if parted < N:
             with torch.no_grad(), ctx:
-                logits, _ = model(torch.cat([idx, torch.tensor([without[:parted]], device="cuda")], dim=1))
+                logits = model(torch.cat([idx, torch.tensor([without[:parted]], device="cuda")], dim=1))
             top2 = logits[0, -1, :enc.n_vocab].float().topk(2).values
             print(f"\n{prompt!r}: cache and no cache part at token {parted}, top-2 logit gap {top2[0] - top2[1]:.4f}")
             assert top2[0] - top2[1] < 0.1, (prompt, parted, enc.decode(with_cache), enc.decode(without))

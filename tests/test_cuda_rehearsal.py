@@ -140,3 +140,31 @@ def test_out_of_gpu_memory_is_one_line(shards, tmp_path):
         "error: out of GPU memory: the micro-batch is --micro_batch_size 4 x --seq_len 32; lower --micro_batch_size "
         "(gradient accumulation keeps --total_batch_size 256); if 1 does not fit, the model and its optimizer state "
         "do not: a smaller model, or --fsdp over several GPUs"], proc.stderr
+
+
+def test_gpu_call_next_measures_every_variant_and_the_profile_figures(tmp_path):
+    """bench/gpu.sh --part next's GPU steps, dry, on a faked H100: bench/gpu_ab.py measures the baseline first and last
+    and every candidate (cuDNN attention, a bf16 residual stream, coordinate-descent tuning, max-autotune), then the
+    winners together, each compiled as the trainer compiles; bench/gpu_profile.py adds the matmul kernels' TFLOP/s,
+    the fills' time, the versions and the GPU's clocks."""
+    env = gpu_machine(tmp_path / "trace")
+    ab = tmp_path / "ab.jsonl"
+    proc = run("bench/gpu_ab.py", "--dry_run", "--warmup_steps", 1, "--timed_steps", 1, "--out", ab, env=env,
+               timeout=1200, check=True)
+    with open(ab) as f:
+        lines = [json.loads(line) for line in f]
+    assert [line["variant"] for line in lines] == ["baseline", "cudnn", "bf16_residual", "coord_descent",
+                                                   "max_autotune", "winners", "all", "baseline"], proc.stdout
+    measured = [line for line in lines if "skipped" not in line]
+    assert lines[5]["applied"] == ["cudnn", "bf16_residual", "coord_descent", "max_autotune"] and "skipped" in lines[6]
+    assert all(line["tok_per_s"] > 0 and line["mfu"] is not None and "compile_s" in line for line in measured)
+    assert lines[2]["loss"] != lines[0]["loss"]  # the residual stream in bf16 rounds otherwise
+    assert "autocast cuda torch.bfloat16" in "".join(traced(tmp_path / "trace"))
+
+    run("bench/gpu_profile.py", "--dry_run", "--micro_batch_size", 4, "--warmup_steps", 1, "--timed_steps", 1,
+        "--profiled_steps", 1, "--out_dir", tmp_path, env=env, timeout=600, check=True)
+    with open(tmp_path / "profile_B4.json") as f:
+        figures = json.load(f)
+    assert figures["versions"]["torch"] == torch.__version__ and "cudnn" in figures["versions"]
+    assert set(figures["gpu_clocks"]) == {"before", "after_timed_steps"}  # here nvidia-smi's absence, said
+    assert figures["matmul_tflops"] > 0 and figures["fills_and_memsets_ms_a_step"] >= 0

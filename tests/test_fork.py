@@ -104,8 +104,8 @@ def test_forked_model_trains_resumes_exactly_samples_and_midtrains(fork, base_ck
     assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr
     # with the KV cache (the prompt, then a token at a time) the rotated model gives the logits it gives without
     check = ("import torch, sample as s; model = s.model_from_checkpoint(s.load_checkpoint('straight')[0]);"
-             "idx = torch.randint(0, 50257, (1, 12)); full, _ = model(idx); cache = s.KVCache();"
-             "steps = [model(idx[:, :4], kv_cache=cache)[0][:, -1]] + [model(idx[:, i:i + 1], kv_cache=cache)[0][:, -1]"
+             "idx = torch.randint(0, 50257, (1, 12)); full = model(idx); cache = s.KVCache();"
+             "steps = [model(idx[:, :4], kv_cache=cache)[:, -1]] + [model(idx[:, i:i + 1], kv_cache=cache)[:, -1]"
              " for i in range(4, 12)]; print((torch.stack(steps, 1) - full[:, 3:]).abs().max().item())")
     proc = subprocess.run([sys.executable, "-c", check], cwd=fork, capture_output=True, text=True)
     assert proc.returncode == 0 and float(proc.stdout) < 1e-4, (proc.stdout, proc.stderr)

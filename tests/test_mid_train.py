@@ -101,7 +101,7 @@ def test_step_loss_and_gradient_are_the_mean_over_every_target():
     x, y = torch.randint(0, 64, (3, 4, 16)), torch.randint(0, 64, (3, 4, 16))
     y[1:] = -1
     y[1, 2, 7] = 5
-    logits, _ = reference(x.flatten(0, 1))
+    logits = reference(x.flatten(0, 1))
     expected = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-1)
     expected.backward()
     batches = iter(zip(x, y))
@@ -133,7 +133,7 @@ def test_fsdp_with_fewer_val_rows_than_ranks_times_batch_matches_ddp_and_the_ref
     for (tokens, mask, _, _), logged in ((splits["train"], a[0]), (splits["val"], val_a[0])):
         tokens, mask = torch.from_numpy(tokens[:8]).long(), torch.from_numpy(mask[:8])
         with torch.no_grad():
-            logits, _ = model(tokens[:, :-1])
+            logits = model(tokens[:, :-1])
         expected = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].masked_fill(~mask[:, 1:], -1).flatten(),
                                    ignore_index=-1)
         assert abs(logged - expected.item()) < 1e-5, (logged, expected)

@@ -96,7 +96,7 @@ torch.save({"ids": ids, "logits": logits, "type": type(model).__name__, "dtype":
     assert theirs["ids"] == get_tokenizer().encode_ordinary(text)
     model = model_from_checkpoint(load_checkpoint(base_ckpt)[0]).eval()
     with torch.no_grad():
-        ours = model(torch.tensor([theirs["ids"]]))[0][0]
+        ours = model(torch.tensor([theirs["ids"]]))[0]
     assert theirs["logits"].shape == (len(theirs["ids"]), 50257)
     assert (ours[:, :50257] - theirs["logits"]).abs().max().item() < 1e-4
     # a non-empty folder that is not an export is not overwritten
