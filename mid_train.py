@@ -1664,7 +1664,8 @@ class RunLog:
         records of the launch before that came after it, as log.jsonl does."""
         import wandb
         run_id, step = self.state["wandb_run_id"], self.state["step"]
-        go_on = {"resume_from": f"{run_id}?_step={step}"} if run_id else {}
+        # wandb keeps the run's history up to and including the step named, and takes later steps only
+        go_on = {"resume_from": f"{run_id}?_step={step - 1}"} if run_id and step > 0 else {}
         try:
             wandb.init(project=self.args.wandb_project, name=self.args.run, config=vars(self.args),
                        dir=self.args.out_dir, **go_on)

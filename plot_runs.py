@@ -29,8 +29,8 @@ METRICS = ("loss", "val_loss", "hellaswag_acc_norm")
 NUMBERS = ("tokens", "ms", "tok_per_s", "mfu")
 # The fields of the trainers' step records, drawn as the loss or given in the table or not a measure of training.
 # Any other number in a step record is a metric added to the step (in train_step): it gets a panel of its own.
-STEP_FIELDS = ("step", "loss", "last_loss", "lr", "grad_norm", "tokens", "ms", "tok_per_s", "mfu", "peak_mem_gib",
-               "eta_s", "time")
+STEP_FIELDS = ("step", "loss", "last_loss", "lr", "muon_lr", "grad_norm", "tokens", "train_seconds", "epoch", "ms",
+               "tok_per_s", "mfu", "peak_mem_gib", "eta_s", "time")
 # flags in which two runs of one experiment differ anyway
 NOT_COMPARED = ("out_dir", "resume", "resume_checkpoint", "run", "dry_run")
 DATA_FLAGS = ("data_dir", "data", "val_fraction", "seed")  # flags that change what a run reads
@@ -153,7 +153,7 @@ def tokens_at(run, metric):
     def tokens_before(step):
         (s0, t0), (s1, t1) = next((span for span in spans if step <= span[1][0]), spans[-1])
         return t0 + (step - s0) * (t1 - t0) / (s1 - s0)
-    points = sorted(run["series"][metric].items())
+    points = sorted(run["series"].get(metric, {}).items())  # a metric another run logs may be missing
     return [(r["tokens"] if "tokens" in r else tokens_before(step), r[metric]) for step, r in points]
 
 
