@@ -167,7 +167,13 @@ def get_args(argv=None):
                           and not checkpoint_files(args.init_ckpt))
     if args.demo and not args.resume_checkpoint and demo_start_missing:
         die(f"--demo starts from {args.init_ckpt}, which holds no checkpoint: run python train_gpt2.py --demo first")
+    # --val_fraction holds out a share of each source whose kind has no test split: of --val_data, or on the hub
+    sources = [parse_source(spec) for spec in args.data]
+    tested = {parse_source(spec, "--val_data")[0] for spec in args.val_data}
+    tested |= {kind for kind, path, _ in sources if path == "hub" and "hub" in TASKS[kind]}
+    every_kind_tested = all(kind in tested or "generate" in TASKS[kind] for kind, _, _ in sources)
     refuse_ignored(argv, {"--optimizer adamw": (args.optimizer == "adamw", MUON_FLAGS),
+                           "a test split for every --data kind": (every_kind_tested, ["val_fraction"]),
                            "--eval_every 0": (args.eval_every == 0, ["eval_tokens", "num_samples", "sample_len",
                                                                      "prompt"]),
                            "--num_samples 0": (args.num_samples == 0, ["sample_len", "prompt"])})

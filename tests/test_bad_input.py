@@ -176,6 +176,9 @@ CASES = [
     case("train-dry_run-resume", "train_gpt2.py", "--dry_run", "--resume", expect="--resume does nothing with --dry_run"),
     case("mid-eval_every-0-eval_tokens", "mid_train.py", *MID, "--eval_every", 0, "--eval_tokens", 64,
          expect="--eval_tokens does nothing with --eval_every 0"),
+    case("mid-val_fraction-every-kind-tested", "mid_train.py", *MID, "--data", "chat:{tmp}/ok.jsonl", "--val_data",
+         "chat:{tmp}/ok.jsonl", "--val_fraction", 0.1,
+         expect="--val_fraction does nothing with a test split for every --data kind"),
     case("mid-dry_run-resume", "mid_train.py", "--init_ckpt", "{tmp}/ckpt.pt", "--dry_run", "--resume",
          expect="--resume does nothing with --dry_run"),
 ]
