@@ -848,8 +848,8 @@ def main(argv=None):
     val_text = token_bytes[torch.from_numpy(val_tokens[:val_rows, 1:].astype(np.int64))]
     for split, learned in (("train", train_mask[:, 1:].any()), ("val", val_text[val_mask[:val_rows, 1:]].any())):
         if not learned:  # e.g. conversations of user turns only, or too few val rows read
-            die(f"the {split} conversations that are read have no token to learn that is text (no assistant "
-                f"reply); give conversations with replies, --train_on all, or a higher --eval_tokens")
+            die(f"the {split} conversations that are read have no token to learn (no assistant reply, or only "
+                f"special tokens); give conversations with replies, --train_on all, or a higher --eval_tokens")
     if checkpoint and checkpoint["num_train_rows"] != len(train_tokens):
         die(f"--resume with other data: {len(train_tokens)} train rows now, {checkpoint['num_train_rows']} in the "
             f"checkpoint; resume with the same --data, --seq_len and --seed")
@@ -929,7 +929,8 @@ def main(argv=None):
             if saved:
                 save()
             if last_step:
-                prune_checkpoints(args, step)
+                if saved:
+                    prune_checkpoints(args, step)
                 log.summary(step)
                 break
 
@@ -1379,7 +1380,7 @@ def continue_run(args, argv, fixed, kind):
                   if name in given_flags(argv)]
         if unused:
             print0(f"--dry_run reads and writes no out_dir: {', '.join(unused)} go unused")
-        args.save_every = 0
+        args.out_dir, args.save_every = os.devnull, 0  # a folder that holds nothing and takes nothing
         return
     refuse_ignored(argv, {"--save_every 0": (args.save_every == 0, ["keep_checkpoints"])})
     if not args.resume and not checkpoint_files(args.out_dir):
@@ -1411,7 +1412,8 @@ def continue_run(args, argv, fixed, kind):
     if args.max_steps < checkpoint["step"]:
         die(f"--max_steps {args.max_steps} is below the step of the run in {args.out_dir} ({checkpoint['step']}); "
             f"give a --max_steps above it, or another --out_dir for a new run")
-    if args.max_steps == checkpoint["step"]:
+    # at its last step, a run stopped in the final evals has no summary yet: it goes on to make them
+    if args.max_steps == checkpoint["step"] and os.path.exists(os.path.join(args.out_dir, "summary.json")):
         print0(f"the run in {args.out_dir} is complete (step {args.max_steps}): nothing to train; a higher "
                f"--max_steps goes on, another --out_dir starts a new run")
         sys.exit(0)
@@ -1546,7 +1548,7 @@ def stop_run(args, state, save):
 
 def end_run(args):
     """The run's end, however it ends: wandb's run, and the process group."""
-    if master_process and args.wandb_project:
+    if master_process and args.wandb_project and not args.dry_run:
         import wandb
         wandb.finish()
     if world_size > 1:

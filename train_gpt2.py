@@ -614,7 +614,8 @@ def main(argv=None):
             if saved:
                 save()
             if last_step:
-                prune_checkpoints(args, step)
+                if saved:
+                    prune_checkpoints(args, step)
                 log.summary(step, hellaswag_acc_norm=state["hellaswag_acc_norm"])
                 break
 
@@ -1055,7 +1056,7 @@ def continue_run(args, argv, fixed, kind):
                   if name in given_flags(argv)]
         if unused:
             print0(f"--dry_run reads and writes no out_dir: {', '.join(unused)} go unused")
-        args.save_every = 0
+        args.out_dir, args.save_every = os.devnull, 0  # a folder that holds nothing and takes nothing
         return
     refuse_ignored(argv, {"--save_every 0": (args.save_every == 0, ["keep_checkpoints"])})
     if not args.resume and not checkpoint_files(args.out_dir):
@@ -1087,7 +1088,8 @@ def continue_run(args, argv, fixed, kind):
     if args.max_steps < checkpoint["step"]:
         die(f"--max_steps {args.max_steps} is below the step of the run in {args.out_dir} ({checkpoint['step']}); "
             f"give a --max_steps above it, or another --out_dir for a new run")
-    if args.max_steps == checkpoint["step"]:
+    # at its last step, a run stopped in the final evals has no summary yet: it goes on to make them
+    if args.max_steps == checkpoint["step"] and os.path.exists(os.path.join(args.out_dir, "summary.json")):
         print0(f"the run in {args.out_dir} is complete (step {args.max_steps}): nothing to train; a higher "
                f"--max_steps goes on, another --out_dir starts a new run")
         sys.exit(0)
@@ -1222,7 +1224,7 @@ def stop_run(args, state, save):
 
 def end_run(args):
     """The run's end, however it ends: wandb's run, and the process group."""
-    if master_process and args.wandb_project:
+    if master_process and args.wandb_project and not args.dry_run:
         import wandb
         wandb.finish()
     if world_size > 1:

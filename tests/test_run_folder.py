@@ -254,7 +254,8 @@ def test_val_rows_with_no_text_to_learn_are_one_line(base_ckpt, tmp_path):
                "--device", "cpu", "--dtype", "float32", "--compile", "off", "--micro_batch_size", 2,
                "--num_samples", 0, "--val_fraction", 0.2, "--max_steps", 2)
     lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1 and "no token to learn that is text" in lines[0], proc.stderr
+    assert proc.returncode == 2 and len(lines) == 1 and "no token to learn (no assistant reply, or only special" \
+        in lines[0], proc.stderr
 
 
 def test_a_new_run_into_a_folder_with_a_log_but_no_checkpoint_keeps_that_log(shards, tmp_path):
@@ -365,3 +366,35 @@ def test_the_step_time_is_the_slowest_ranks_with_rank_0s_work_between_steps(shar
              "--eval_every", 100, "--save_every", 100)
     steps = [r for r in read_log(tmp_path / "run") if "loss" in r]
     assert len(steps) == 4 and all(r["ms"] > 1900 for r in steps[1:]), [r["ms"] for r in steps]
+
+
+def test_a_dry_run_into_a_folder_of_checkpoints_prunes_none(shards, tmp_path):
+    """A dry run given a run's --out_dir reads and writes nothing there: its last step prunes no checkpoint."""
+    out = tmp_path / "run"
+    command = [*TINY, "--data_dir", shards, "--out_dir", out, "--eval_every", 100]
+    run("train_gpt2.py", *command, "--max_steps", 3, "--save_every", 1, "--keep_checkpoints", 3, check=True)
+    before = checkpoints(out)
+    run("train_gpt2.py", *command, "--max_steps", 6, "--keep_checkpoints", 1, "--dry_run", check=True)
+    assert checkpoints(out) == before == ["ckpt_0000001.pt", "ckpt_0000002.pt", "ckpt_0000003.pt"]
+
+
+def test_a_stop_in_the_last_evals_goes_on_to_the_summary(shards, tmp_path):
+    """SIGTERM during the last step's val eval saves that step; the same command then makes the last evals and the
+    summary, rather than calling the run complete without them."""
+    out = tmp_path / "run"
+    flags = [*TINY, "--data_dir", shards, "--out_dir", out, "--val_tokens", 99840, "--max_steps", 3, "--eval_every", 3]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "train_gpt2.py"), *map(str, flags)], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:  # the last train step; its val eval (780 batches) comes next
+        if line.startswith("step     2/3"):
+            break
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and "stopped by signal at step 3" in stdout, stderr[-2000:]
+    assert not (out / "summary.json").exists() and checkpoints(out)[-1] == "ckpt_0000003.pt"
+    again = run("train_gpt2.py", *flags, check=True)
+    assert "is complete" not in again.stdout and "summary: best_val_loss" in again.stdout
+    assert (out / "summary.json").exists() and 3 in {r["step"] for r in read_log(out) if "val_loss" in r}
+    assert "is complete" in run("train_gpt2.py", *flags, check=True).stdout
