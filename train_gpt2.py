@@ -1037,8 +1037,9 @@ def run_name(text):
 
 def take_defaults(args, argv, defaults):
     """Each flag not given in argv takes its value in defaults."""
+    given = given_flags(argv)
     for name, value in defaults.items():
-        if name not in given_flags(argv):
+        if name not in given:
             setattr(args, name, value)
 
 
@@ -1108,8 +1109,8 @@ def take_out_dir(args):
             kept = [name.replace(".", f".{stamp}.") for name in earlier]  # log.20261126-101500.jsonl
             for name, new_name in zip(earlier, kept):
                 os.replace(os.path.join(args.out_dir, name), os.path.join(args.out_dir, new_name))
-            print(f"--out_dir {args.out_dir} held a run that saved no checkpoint: its {' and '.join(earlier)} are kept "
-                  f"as {' and '.join(kept)}; this run starts anew")
+            print(f"--out_dir {args.out_dir} held a run that saved no checkpoint: kept its {' and '.join(earlier)} as "
+                  f"{' and '.join(kept)}; this run starts anew")
 
 
 def restore_run(checkpoint, state, raw_model, optimizers, scaler):
@@ -1398,10 +1399,11 @@ class RunLog:
         self.interval.append((metrics, seconds))
         if step % self.args.log_every and step != self.args.max_steps - 1:
             return
-        seconds = torch.tensor(sum(step_seconds for _, step_seconds in self.interval), device=self.device)
-        if world_size > 1:
-            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-        seconds = seconds.item()
+        seconds = sum(step_seconds for _, step_seconds in self.interval)
+        if world_size > 1:  # the slowest rank's
+            slowest = torch.tensor(seconds, device=self.device)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            seconds = slowest.item()
         means = {name: sum(m[name] for m, _ in self.interval) / len(self.interval) for name in metrics}
         # the learning rates of the step logged, and its loss
         means.update({name: value for name, value in metrics.items() if name.endswith("lr")}, last_loss=metrics["loss"])
