@@ -407,9 +407,9 @@ class GPT(nn.Module):
             if hasattr(module, "NANOGPT_SCALE_INIT"):
                 # each block adds to the residual stream twice: the projections into it are scaled down
                 std *= (2 * self.config.n_layer) ** -0.5
-            torch.nn.init.normal_(module.weight, mean=0.0, std=std)
+            nn.init.normal_(module.weight, mean=0.0, std=std)
         if isinstance(module, nn.Linear) and module.bias is not None:
-            torch.nn.init.zeros_(module.bias)
+            nn.init.zeros_(module.bias)
 
     def forward(self, idx, targets=None, kv_cache=None, reduction="mean"):
         """The logits of every position; or, given targets (-1 where ignored), only the cross-entropy loss over
@@ -429,8 +429,7 @@ class GPT(nn.Module):
         logits = self.lm_head(x)
         if targets is None:
             return logits
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1,
-                               reduction=reduction)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1, reduction=reduction)
 # ---- end shared: model ----
 
 

@@ -440,9 +440,9 @@ class GPT(nn.Module):
             if hasattr(module, "NANOGPT_SCALE_INIT"):
                 # each block adds to the residual stream twice: the projections into it are scaled down
                 std *= (2 * self.config.n_layer) ** -0.5
-            torch.nn.init.normal_(module.weight, mean=0.0, std=std)
+            nn.init.normal_(module.weight, mean=0.0, std=std)
         if isinstance(module, nn.Linear) and module.bias is not None:
-            torch.nn.init.zeros_(module.bias)
+            nn.init.zeros_(module.bias)
 
     def forward(self, idx, targets=None, kv_cache=None, reduction="mean"):
         """The logits of every position; or, given targets (-1 where ignored), only the cross-entropy loss over
@@ -462,8 +462,7 @@ class GPT(nn.Module):
         logits = self.lm_head(x)
         if targets is None:
             return logits
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1,
-                               reduction=reduction)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1, reduction=reduction)
 # ---- end shared: model ----
 
 
@@ -498,11 +497,10 @@ def load_hf_state_dict(model, hf_state):
         name, shape = min(ours ^ theirs)
         die(f"OpenAI's GPT-2 weights do not fit this model's layout ({name}, rows of shape {tuple(shape)}, "
             f"is in one of them only): train this model from scratch, or start from a checkpoint of it")
-    with torch.no_grad():
-        for name, value in hf_state.items():
-            state[name][: value.size(0)].copy_(value)
-            # the padding rows of the embedding start at the mean embedding: they take almost no probability
-            state[name][value.size(0):].copy_(value.mean(0))
+    for name, value in hf_state.items():  # state's tensors are detached: copied into without autograd
+        state[name][: value.size(0)].copy_(value)
+        # the padding rows of the embedding start at the mean embedding: they take almost no probability
+        state[name][value.size(0):].copy_(value.mean(0))
 # ---- end shared: pretrained ----
 
 
@@ -532,12 +530,11 @@ def init_distributed(device):
     # torch.cuda.set_device needs an index ("cuda" names none): the first GPU, or under torchrun the rank's own
     if device == "cuda" or (device.startswith("cuda") and world_size > 1):
         device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}"
-    # the caching allocator's expandable segments (unless set otherwise) cut fragmentation when shapes vary (evals,
-    # sampling); the trainers' start-up line says so
-    if device.startswith("cuda"):
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     try:  # a device this machine lacks, or a name torch does not take, fails here
         if device.startswith("cuda"):
+            # the caching allocator's expandable segments (unless set otherwise) cut fragmentation when shapes vary
+            # (evals, sampling); the trainers' start-up line says so
+            os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
             torch.cuda.set_device(device)  # the current device: NCCL's, CUDA RNG state's, new tensors'
         torch.empty(0, device=device)
     except Exception as e:

@@ -246,9 +246,9 @@ class GPT(nn.Module):
             if hasattr(module, "NANOGPT_SCALE_INIT"):
                 # each block adds to the residual stream twice: the projections into it are scaled down
                 std *= (2 * self.config.n_layer) ** -0.5
-            torch.nn.init.normal_(module.weight, mean=0.0, std=std)
+            nn.init.normal_(module.weight, mean=0.0, std=std)
         if isinstance(module, nn.Linear) and module.bias is not None:
-            torch.nn.init.zeros_(module.bias)
+            nn.init.zeros_(module.bias)
 
     def forward(self, idx, targets=None, kv_cache=None, reduction="mean"):
         """The logits of every position; or, given targets (-1 where ignored), only the cross-entropy loss over
@@ -268,8 +268,7 @@ class GPT(nn.Module):
         logits = self.lm_head(x)
         if targets is None:
             return logits
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1,
-                               reduction=reduction)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1, reduction=reduction)
 # ---- end shared: model ----
 
 
@@ -464,7 +463,7 @@ def train_step(model, optimizers, scaler, next_batch, grad_accum_steps, step_tok
         scaler.scale(loss).backward()
     for opt in optimizers:
         scaler.unscale_(opt)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
+    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
     if hasattr(grad_norm, "full_tensor"):  # under FSDP the norm is over the sharded gradients of all ranks
         grad_norm = grad_norm.full_tensor()
     for opt in optimizers:
@@ -651,12 +650,11 @@ def init_distributed(device):
     # torch.cuda.set_device needs an index ("cuda" names none): the first GPU, or under torchrun the rank's own
     if device == "cuda" or (device.startswith("cuda") and world_size > 1):
         device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}"
-    # the caching allocator's expandable segments (unless set otherwise) cut fragmentation when shapes vary (evals,
-    # sampling); the trainers' start-up line says so
-    if device.startswith("cuda"):
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     try:  # a device this machine lacks, or a name torch does not take, fails here
         if device.startswith("cuda"):
+            # the caching allocator's expandable segments (unless set otherwise) cut fragmentation when shapes vary
+            # (evals, sampling); the trainers' start-up line says so
+            os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
             torch.cuda.set_device(device)  # the current device: NCCL's, CUDA RNG state's, new tensors'
         torch.empty(0, device=device)
     except Exception as e:
@@ -808,24 +806,20 @@ def make_optimizers(model, args, device_type):
     groups = [dict(params=[p for p in adamw_params if p.dim() >= 2], weight_decay=args.weight_decay),
               dict(params=[p for p in adamw_params if p.dim() < 2], weight_decay=0.0)]
     fused = device_type in ("cuda", "cpu")  # one kernel for all parameters: 6x faster than foreach on CPU
-    optimizers = [torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)]
+    optimizers = [torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=fused)]
     if muon_layers:
-        # a group for each weight, with the number of matrices it stacks (the fused query, key and value: 3)
+        # A group for each weight, with the number of matrices it stacks (the fused query, key and value: 3): a
+        # weight that stacks several is orthogonalized a part at a time.
         muon_groups = [dict(params=[layer.weight], parts=len(layer.MUON_PARTS)) for layer in muon_layers]
-        optimizers.append(Muon(muon_groups, lr=args.muon_lr, momentum=args.muon_momentum,
-                               weight_decay=args.muon_weight_decay))
+        defaults = dict(lr=args.muon_lr, momentum=args.muon_momentum, weight_decay=args.muon_weight_decay)
+        optimizers.append(Muon(muon_groups, defaults))
     return optimizers
 
 
 class Muon(torch.optim.Optimizer):
     """MomentUm Orthogonalized by Newton-schulz: SGD with Nesterov momentum, each 2-D weight's update
     replaced by its nearest orthogonal matrix. For the hidden matrices only; under DDP every rank computes
-    the same update."""
-
-    def __init__(self, params, lr, momentum, weight_decay):
-        # Each group also gives its "parts" (make_optimizers): a weight that stacks several matrices (query, key,
-        # value) is orthogonalized a part at a time.
-        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
+    the same update. Each group gives its lr, momentum and weight_decay, and its "parts" (make_optimizers)."""
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -849,21 +843,18 @@ class Muon(torch.optim.Optimizer):
                 p.add_(blocks.reshape_as(p), alpha=-group["lr"] * scale)
 
 
-def zeropower_via_newtonschulz5(G, steps=5):
+def zeropower_via_newtonschulz5(G):
     """Orthogonalize G (make its singular values about 1) with a quintic Newton-Schulz iteration.
     Follows Keller Jordan's Muon (github.com/KellerJordan/Muon), as used in modded-nanogpt."""
-    a, b, c = (3.4445, -4.7750, 2.0315)  # coefficients tuned for fast convergence near 0
+    if G.size(-2) > G.size(-1):  # a tall matrix: orthogonalize its transpose, the smaller X @ X.mT
+        return zeropower_via_newtonschulz5(G.mT).mT
+    a, b, c = 3.4445, -4.7750, 2.0315  # coefficients tuned for fast convergence near 0
     X = G.bfloat16() if G.is_cuda else G.float()  # bf16 is fast and good enough on GPUs
-    transposed = G.size(-2) > G.size(-1)
-    if transposed:
-        X = X.mT
     X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # spectral norm at most 1
-    for _ in range(steps):
+    for _ in range(5):
         A = X @ X.mT
         B = b * A + c * A @ A
         X = a * X + B @ X
-    if transposed:
-        X = X.mT
     return X.to(G.dtype)
 
 
@@ -1038,10 +1029,8 @@ def run_name(text):
 
 def take_defaults(args, argv, defaults):
     """Each flag not given in argv takes its value in defaults."""
-    given = given_flags(argv)
-    for name, value in defaults.items():
-        if name not in given:
-            setattr(args, name, value)
+    for name in defaults.keys() - given_flags(argv):
+        setattr(args, name, defaults[name])
 
 
 def continue_run(args, argv, fixed, kind):
@@ -1215,13 +1204,12 @@ def readable(path):
 
 def stop_run(args, state, save):
     """A stop signal (StopRun): save the step the run was at, and say how the run goes on."""
-    if args.dry_run:
-        print0(f"stopped by signal at step {state['step']}; a dry run keeps nothing", flush=True)
-    elif args.save_every:
+    if args.save_every:  # 0 in a dry run
         save()
-        print0(f"stopped by signal at step {state['step']}; the same command continues the run", flush=True)
+        outcome = "the same command continues the run"
     else:
-        print0(f"stopped by signal at step {state['step']}; nothing saved (--save_every 0)", flush=True)
+        outcome = "a dry run keeps nothing" if args.dry_run else "nothing saved (--save_every 0)"
+    print0(f"stopped by signal at step {state['step']}; {outcome}", flush=True)
 
 
 def end_run(args):
@@ -1265,11 +1253,10 @@ def load_hf_state_dict(model, hf_state):
         name, shape = min(ours ^ theirs)
         die(f"OpenAI's GPT-2 weights do not fit this model's layout ({name}, rows of shape {tuple(shape)}, "
             f"is in one of them only): train this model from scratch, or start from a checkpoint of it")
-    with torch.no_grad():
-        for name, value in hf_state.items():
-            state[name][: value.size(0)].copy_(value)
-            # the padding rows of the embedding start at the mean embedding: they take almost no probability
-            state[name][value.size(0):].copy_(value.mean(0))
+    for name, value in hf_state.items():  # state's tensors are detached: copied into without autograd
+        state[name][: value.size(0)].copy_(value)
+        # the padding rows of the embedding start at the mean embedding: they take almost no probability
+        state[name][value.size(0):].copy_(value.mean(0))
 # ---- end shared: pretrained ----
 
 
