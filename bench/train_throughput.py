@@ -4,7 +4,6 @@ MFU and peak memory, for each variant given, after warm-up, in one run. On CPU i
 bf16 and fp32 matmul peak, since there is no datasheet peak to divide by.
 
     python bench/train_throughput.py --preset demo --variants eager:float32 eager:bfloat16 compile:bfloat16
-    python bench/train_throughput.py --micro_batch_size 8 --variants eager:float32 compile:float32 --profile
     python bench/train_throughput.py --preset gpt2 --micro_batch_size 16 --variants compile:bfloat16   # on a GPU
 """
 
@@ -80,13 +79,6 @@ def bench_variant(args, mode, dtype_name, device):
         sync(device)
         step_seconds.append(time.perf_counter() - start)
     seconds = sorted(step_seconds)[len(step_seconds) // 2]
-    if args.profile:  # where a step's time goes: the operators of two more steps, by their own time
-        with torch.profiler.profile() as prof:
-            for _ in range(2):
-                tg.train_step(train_model, optimizers, scaler, batch, args.grad_accum, B * T * args.grad_accum,
-                              1.0, autocast_ctx)["loss"].item()
-        print(f"{mode}:{dtype_name}, two steps:")
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
     tokens = B * T * args.grad_accum
     flops_per_token = tg.flops_per_token(model, T)
     return dict(tok_s=tokens / seconds, flops_per_token=flops_per_token, flops=flops_per_token * tokens / seconds,
@@ -106,7 +98,6 @@ def main():
                    help="MODE:DTYPE to compare, MODE eager, compile or a torch.compile mode (max-autotune)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
     p.add_argument("--steps", type=int, default=10, help="timed steps (the median is reported)")
-    p.add_argument("--profile", action="store_true", help="also print each variant's torch.profiler table")
     p.add_argument("--device", default="auto", help="auto, cuda, mps or cpu")
     p.add_argument("--peak_flops", type=float, help="bf16 peak FLOP/s to divide by (GPUs known to train_gpt2.py are detected)")
     args = p.parse_args()
