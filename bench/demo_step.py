@@ -60,7 +60,9 @@ def main():
     print(f"{torch.get_num_threads()} threads, torch {torch.__version__}")
     profiled = set()
     for variant in args.variants:
-        micro_batch_size, mode = variant.split(":")
+        micro_batch_size, _, mode = variant.partition(":")
+        if not micro_batch_size.isdigit() or mode not in ("eager", "compiled"):
+            p.error(f"{variant!r} is not MICRO_BATCH:MODE, MODE eager or compiled (e.g. 8:eager)")
         bench(int(micro_batch_size), mode == "compiled", args.profile and variant not in profiled)
         profiled.add(variant)
 
