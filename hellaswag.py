@@ -139,8 +139,11 @@ def render_hellaswag(example, enc):
 def score_hellaswag(model, rendered, device, n_vocab, autocast_ctx=nullcontext()):
     """Score rendered examples in one forward (right padding changes nothing under causal attention). Returns
     the endings with the lowest summed loss and with the lowest mean loss per token."""
-    # (tokens, mask) of every row, 4 an example
-    rows = [row for ex_rows, ex_masks, _ in rendered for row in zip(ex_rows, ex_masks)]
+    # (tokens, mask) of every row, 4 an example. A row longer than the model's context keeps its last
+    # block_size tokens: the start of the context goes, as in lm-evaluation-harness, and the ending is scored.
+    max_len = model.config.block_size
+    rows = [(row[-max_len:], mask[-max_len:])
+            for ex_rows, ex_masks, _ in rendered for row, mask in zip(ex_rows, ex_masks)]
     width = max(len(tokens) for tokens, _ in rows)
     tokens = torch.tensor([t + [0] * (width - len(t)) for t, _ in rows], device=device)
     # the positions whose next token is an ending token: only their predictions are scored
@@ -158,21 +161,16 @@ def score_hellaswag(model, rendered, device, n_vocab, autocast_ctx=nullcontext()
 
 def evaluate_hellaswag(model, examples, enc, device, batch_size=8, autocast_ctx=nullcontext(),
                        split_ranks=True, should_stop=None):
-    """(correct, correct_norm, count) over the examples, summed over the ranks: acc's and acc_norm's counts. The
-    examples are split across the ranks, but FSDP ranks, which forward in lockstep, each score all. In a
-    training loop, should_stop() is asked every 16 batches (a collective): True stops it, returning None."""
-    n_vocab = min(enc.n_vocab, model.config.vocab_size)
+    """(acc, acc_norm, count) over the examples of all ranks. The examples are split across the ranks, but FSDP
+    ranks, which forward in lockstep, each score all. In a training loop, should_stop() is asked every 16
+    batches (a collective): True stops it, returning None."""
     max_len = model.config.block_size
     # the batches every rank has (a split may give a rank one more): the stop is asked only within them
     batches_on_every_rank = math.ceil(len(examples) // (world_size if split_ranks else 1) / batch_size)
     if split_ranks:
         examples = examples[rank::world_size]
     rendered = [render_hellaswag(example, enc) for example in examples]
-    cropped = sum(max(map(len, rows)) > max_len for rows, _, _ in rendered)
-    # A row longer than the model's context keeps its last max_len tokens: the start of the context goes, as
-    # in lm-evaluation-harness, and the ending is scored as before.
-    rendered = [([row[-max_len:] for row in rows], [mask[-max_len:] for mask in masks], label)
-                for rows, masks, label in rendered]
+    cropped = sum(max(map(len, rows)) > max_len for rows, _, _ in rendered)  # score_hellaswag crops them
     rendered.sort(key=lambda example: max(map(len, example[0])))  # by length: batches with little padding
     correct = correct_norm = 0
     for i in progress(range(0, len(rendered), batch_size), "hellaswag"):
@@ -180,7 +178,7 @@ def evaluate_hellaswag(model, examples, enc, device, batch_size=8, autocast_ctx=
         if should_stop and batch_index % 16 == 15 and batch_index < batches_on_every_rank and should_stop():
             return None
         batch = rendered[i: i + batch_size]
-        by_sum, by_mean = score_hellaswag(model, batch, device, n_vocab, autocast_ctx)
+        by_sum, by_mean = score_hellaswag(model, batch, device, enc.n_vocab, autocast_ctx)
         for pred, pred_norm, (_, _, label) in zip(by_sum, by_mean, batch):
             correct += pred == label
             correct_norm += pred_norm == label
@@ -191,7 +189,7 @@ def evaluate_hellaswag(model, examples, enc, device, batch_size=8, autocast_ctx=
     if cropped:
         print0(f"hellaswag: {cropped} of {count} examples are longer than the model's context ({max_len} tokens): "
                f"the start of their context is left out")
-    return correct, correct_norm, count
+    return correct / count, correct_norm / count, count
 # ---- end shared: hellaswag ----
 
 
@@ -218,13 +216,12 @@ def main(argv=None):
     model.to(device=device, dtype=dtype if args.cast_weights else torch.float32).eval()
     autocast_ctx = nullcontext() if args.cast_weights else autocast_context(torch.device(device).type, dtype)
     start = time.perf_counter()
-    correct, correct_norm, count = evaluate_hellaswag(model, examples, get_tokenizer(), device, args.batch_size,
-                                                      autocast_ctx)
+    acc, acc_norm, count = evaluate_hellaswag(model, examples, get_tokenizer(), device, args.batch_size, autocast_ctx)
     seconds = time.perf_counter() - start
     if rank == 0:
-        print(json.dumps({"model": name, "data": path, "examples": count, "acc": correct / count,
-                          "acc_norm": correct_norm / count, "examples_per_s": count / seconds}))
-        print(f"{name}: acc {correct / count:.4f} | acc_norm {correct_norm / count:.4f} | {count} examples "
+        print(json.dumps({"model": name, "data": path, "examples": count, "acc": acc, "acc_norm": acc_norm,
+                          "examples_per_s": count / seconds}))
+        print(f"{name}: acc {acc:.4f} | acc_norm {acc_norm:.4f} | {count} examples "
               f"| {count / seconds:.1f} examples/s", file=sys.stderr)
     if world_size > 1:
         dist.destroy_process_group()

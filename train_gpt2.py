@@ -23,7 +23,7 @@ import signal
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
@@ -73,11 +73,10 @@ def get_args(argv=None):
     # model: a size, and a flag for each GPTConfig field (--n_layer, --n_embd...) that overrides that size's
     p.add_argument("--model", default="gpt2", choices=MODEL_SIZES,
                    help="model size to train from scratch")
-    model_flags = [field.name for field in fields(GPTConfig)]
-    for field in fields(GPTConfig):
-        flag_type = positive_int if field.type is int else nonneg_float
-        p.add_argument(f"--{field.name}", type=flag_type,
-                       help=f"the model's {field.name}, if not --model's (gpt2: {field.default})")
+    model_flags = asdict(GPTConfig())  # each field's name: its gpt2 value
+    for name, gpt2_value in model_flags.items():
+        p.add_argument(f"--{name}", type=positive_int,
+                       help=f"the model's {name}, if not --model's (gpt2: {gpt2_value})")
     p.add_argument("--init_from", choices=MODEL_SIZES,
                    help="start from OpenAI's weights (needs transformers)")
     # data
@@ -109,9 +108,7 @@ def get_args(argv=None):
                    help="samples printed at each eval (0: none)")
     p.add_argument("--sample_len", type=positive_int, default=32, help="new tokens per sample")
     p.add_argument("--prompt", default="Hello, I'm a language model,", help="prompt of the in-loop samples")
-    p.add_argument("--hellaswag_file", help="HellaSwag .jsonl to evaluate in the loop (see hellaswag.py)")
-    p.add_argument("--hellaswag_every", type=positive_int, default=250,
-                   help="HellaSwag eval every N steps when a file is given")
+    p.add_argument("--hellaswag_file", help="HellaSwag .jsonl to evaluate at each eval (see hellaswag.py)")
     p.add_argument("--hellaswag_limit", type=nonneg_int, default=0,
                    help="examples per HellaSwag eval (0: all)")
     # the run: devices, its folder, checkpoints and logs
@@ -127,13 +124,12 @@ def get_args(argv=None):
                                     if not (args.init_from and key in model_flags)})
     # an out_dir holding checkpoints continues its run; the model, optimizer and data stay as they were
     continue_run(args, argv, fixed=("model", *model_flags, "init_from", "optimizer", "data_dir"), kind="base")
-    if not args.prompt and args.num_samples:
-        print0("--prompt is empty: the in-loop samples start from <|endoftext|>")
     refuse_ignored(argv, {
         "--optimizer adamw": (args.optimizer == "adamw", MUON_FLAGS),
-        "no --hellaswag_file": (args.hellaswag_file is None, ["hellaswag_every", "hellaswag_limit"]),
-        "--eval_every 0": (args.eval_every == 0, ["val_tokens", "num_samples", "sample_len", "prompt"]),
-        "--init_from (OpenAI's model as it is)": (args.init_from is not None, ["model"]),
+        "no --hellaswag_file": (args.hellaswag_file is None, ["hellaswag_limit"]),
+        "--eval_every 0": (args.eval_every == 0,
+                           ["val_tokens", "num_samples", "sample_len", "prompt", "hellaswag_file"]),
+        "--init_from (OpenAI's model as it is)": (args.init_from is not None, ["model", *model_flags]),
         "--num_samples 0": (args.num_samples == 0, ["sample_len", "prompt"])})
     return args
 
@@ -286,8 +282,9 @@ def load_shard(path):
         if header[:2] != [20240520, 1] or header[2] < 0:  # an empty file fails the first test
             raise ValueError(f"its header (magic, version, token count) is {header}")
         return np.memmap(path, dtype=np.uint16, mode="r", offset=256 * 4, shape=(header[2],))
-    except ValueError as e:  # numpy's too: a file shorter than its header says, a damaged .npy
-        die(f"{path} is not a whole token shard, truncated or damaged ({e}); re-create it with prepare_fineweb.py")
+    # numpy's too: a file shorter than its header says, a damaged .npy; and a shard that manifest.json lists, gone
+    except (ValueError, OSError) as e:
+        die(f"{path} is missing, truncated or damaged ({e}); re-create it with prepare_fineweb.py")
 
 
 # ---- shared: manifest ----
@@ -320,73 +317,62 @@ def find_shards(data_dir, split):
     """The split's shards in name order: [PREFIX_]train[_N].bin, or val, or .npy (llm.c's and build-nanogpt's
     names). The split is the word right before the index, never "train" anywhere in the name
     (pretrain_val_000000.bin is val): a val shard must never train. In a folder of prepare_fineweb.py (it has
-    a manifest.json), only the shards that its finished run lists."""
+    a manifest.json), only the shards that its finished run lists: a listed one gone is load_shard's error."""
     shard = re.compile(rf"(^|_){split}(_\d+)?\.(bin|npy)$")
     names = sorted(os.listdir(data_dir)) if os.path.isdir(data_dir) else []
     manifest = read_manifest(os.path.join(data_dir, "manifest.json"))
-    if manifest is None:  # shards made by other tools: as they are
-        return [os.path.join(data_dir, name) for name in names if shard.search(name)]
-    # A prepare still writing, or stopped, has not made the whole set: training on its shards so far would
-    # read another stream than the finished folder, which a resume then refuses.
-    listed = [s["file"] for s in manifest.get("shards", []) if manifest.get("complete") is True]
-    if not listed:
-        die(f"--data_dir {data_dir} is not finished: its manifest.json does not list a complete set of "
-            f"shards; run the prepare_fineweb.py command that made it again to finish it, then train")
-    missing = [name for name in listed if name not in names]
-    if missing:
-        die(f"--data_dir {data_dir} lacks {missing[0]}, which its manifest.json lists; put it back, or make "
-            f"the folder anew with prepare_fineweb.py")
-    # a shard that the finished prepare did not list is another run's, or copied in by hand: not trusted
-    stray = [name for name in names if shard.search(name) and name not in listed]
-    if stray:
-        print0(f"--data_dir {data_dir}: not using {len(stray)} {split} shard(s) that its manifest.json does "
-               f"not list ({', '.join(stray[:3])}): prepare_fineweb.py did not write them")
-    return [os.path.join(data_dir, name) for name in listed if shard.search(name)]
+    if manifest is not None:
+        # A prepare still writing, or stopped, has not made the whole set: training on its shards so far would
+        # read another stream than the finished folder, which a resume then refuses.
+        if manifest.get("complete") is not True:
+            die(f"--data_dir {data_dir} is not finished: its manifest.json does not list a complete set of "
+                f"shards; run the prepare_fineweb.py command that made it again to finish it, then train")
+        listed = [s["file"] for s in manifest["shards"]]
+        # a shard that the finished prepare did not list is another run's, or copied in by hand: not trusted
+        stray = [name for name in names if shard.search(name) and name not in listed]
+        if stray:
+            print0(f"--data_dir {data_dir}: not using {len(stray)} {split} shard(s) that its manifest.json does "
+                   f"not list ({', '.join(stray[:3])}): prepare_fineweb.py did not write them")
+        names = listed
+    return [os.path.join(data_dir, name) for name in names if shard.search(name)]
 
 
 # What a checkpoint's data position depends on: a run that reads the shards otherwise cannot go on from it.
-DATA_KEYS = ("order", "seed", "window_tokens", "num_windows")
+DATA_KEYS = ("seed", "window_tokens", "num_windows")
 
 
 class ShardLoader:
     """(B, T) inputs and targets on the device, from token shards read a window at a time. A window is
     micro_batches_per_window micro-batches of all ranks, one after the other in the shard, and in each
     micro-batch every rank reads its own B * T tokens. A shard's tail shorter than a window is skipped. The
-    order of the shards, and of the windows in each, is file order or shuffled anew each epoch (seeded)."""
+    order of the shards, and of the windows in each, is file order (seed None) or shuffled anew each epoch."""
 
     def __init__(self, files, B, T, rank, world_size, device="cpu", micro_batches_per_window=1, seed=None):
         self.shards = [load_shard(f) for f in files]
         self.B, self.T, self.rank, self.world_size, self.device = B, T, rank, world_size, device
-        self.micro_batches_per_window = micro_batches_per_window
-        self.order = "sequential" if seed is None else "shuffled"
-        self.seed = 0 if seed is None else seed
+        self.micro_batches_per_window, self.seed = micro_batches_per_window, seed
         self.window_tokens = micro_batches_per_window * B * T * world_size
         self.shard_windows = [(len(tokens) - 1) // self.window_tokens for tokens in self.shards]
         self.num_windows = sum(self.shard_windows)
         if 0 in self.shard_windows:
             die(f"{files[self.shard_windows.index(0)]} has fewer tokens than one step over all ranks reads "
                 f"({self.window_tokens + 1}); lower --total_batch_size, --micro_batch_size or --seq_len")
-        self.seek(0, 0, 0, 0)
+        # The whole position: the micro-batches read since the start, over all epochs. The order follows
+        # from the seed, so the place of the next micro-batch is worked out from this count alone.
+        self.micro_batches_read = 0
 
     def order_of(self, n, *key):
         """range(n) in file order (build-nanogpt's), or a permutation seeded by (seed, *key): each epoch reads
         every window once."""
-        if self.order == "sequential":
+        if self.seed is None:
             return range(n)
         return np.random.default_rng((self.seed, *key)).permutation(n)
 
-    def seek(self, epoch, shard, window, micro):
-        """Go to the shard-th shard of the epoch's order, its window-th window, that window's micro-th
-        micro-batch."""
-        self.epoch, self.shard, self.window, self.micro = epoch, shard, window, micro
-        self.shards_in_order = self.order_of(len(self.shards), epoch)
-        shard_index = self.shards_in_order[shard]
-        # the shard's windows get their own key, (epoch, 1 + its index), apart from the shards' order, (epoch,)
-        self.windows_in_order = self.order_of(self.shard_windows[shard_index], epoch, 1 + shard_index)
-
     def state(self):
-        """(epoch, shard, window, micro-batch) is the whole position: the order follows from the seed."""
-        return {key: getattr(self, key) for key in ("epoch", "shard", "window", "micro", *DATA_KEYS)}
+        """The windows read (a window is a step when shuffled: another micro-batch size resumes it) and the
+        micro-batches read of the next one, and what they depend on."""
+        windows_read, micro = divmod(self.micro_batches_read, self.micro_batches_per_window)
+        return {"windows_read": windows_read, "micro": micro, **{key: getattr(self, key) for key in DATA_KEYS}}
 
     def load_state(self, state):
         theirs = [state[key] for key in DATA_KEYS]
@@ -395,26 +381,24 @@ class ShardLoader:
             die(f"the checkpoint's data position is one of {DATA_KEYS} = {theirs}, and this run reads {ours}: "
                 f"resume with the same --data_dir, --data_order and --total_batch_size (sequential order: also the "
                 f"same --micro_batch_size, --seq_len and number of processes)")
-        self.seek(state["epoch"], state["shard"], state["window"], state["micro"])
+        self.micro_batches_read = state["windows_read"] * self.micro_batches_per_window + state["micro"]
 
     def next_batch(self):
-        # the shard is done: on to the next one, or the next epoch
-        if self.window == len(self.windows_in_order):
-            if self.shard + 1 < len(self.shards):
-                self.seek(self.epoch, self.shard + 1, 0, 0)
-            else:
-                self.seek(self.epoch + 1, 0, 0, 0)
-        shard_tokens = self.shards[self.shards_in_order[self.shard]]
-        window_in_shard = self.windows_in_order[self.window]
+        window, micro = divmod(self.micro_batches_read, self.micro_batches_per_window)
+        self.epoch, window = divmod(window, self.num_windows)
+        # the shards in the epoch's order: the window's shard, and its place among that shard's windows
+        for shard_index in self.order_of(len(self.shards), self.epoch):
+            if window < self.shard_windows[shard_index]:
+                break
+            window -= self.shard_windows[shard_index]
+        # the shard's windows get their own key, (epoch, 1 + its index), apart from the shards' order, (epoch,)
+        window_in_shard = self.order_of(self.shard_windows[shard_index], self.epoch, 1 + shard_index)[window]
         # the micro-batch's place in the shard, and this rank's place in the micro-batch
-        micro_batch = window_in_shard * self.micro_batches_per_window + self.micro
+        micro_batch = window_in_shard * self.micro_batches_per_window + micro
         start = (micro_batch * self.world_size + self.rank) * self.B * self.T
-        tokens = shard_tokens[start: start + self.B * self.T + 1]
+        tokens = self.shards[shard_index][start: start + self.B * self.T + 1]
+        self.micro_batches_read += 1
         buf = torch.from_numpy(tokens.astype(np.int64))
-        self.micro += 1
-        if self.micro == self.micro_batches_per_window:
-            self.window += 1
-            self.micro = 0
         if self.device.startswith("cuda"):  # pinned: the copy to the GPU runs alongside the compute
             buf = buf.pin_memory()
         buf = buf.to(self.device, non_blocking=True)
@@ -506,15 +490,11 @@ def main(argv=None):
 
     # ---- the model: the checkpoint of the run to continue, OpenAI's weights, or a new one
     checkpoint = None
-    model_flags = {field.name: getattr(args, field.name) for field in fields(GPTConfig)
-                   if getattr(args, field.name) is not None}
+    model_flags = {name: getattr(args, name) for name in asdict(GPTConfig()) if getattr(args, name) is not None}
     if args.resume_checkpoint:
         checkpoint, _ = load_checkpoint(args.resume_checkpoint)  # the one get_args found
         raw_model = model_from_checkpoint(checkpoint)
     elif args.init_from:
-        if model_flags:
-            die(f"--init_from {args.init_from} is OpenAI's model as it is: drop "
-                f"--{', --'.join(model_flags)}")
         raw_model = gpt_from_pretrained(args.init_from)
     else:
         config = GPTConfig(**{**MODEL_SIZES[args.model], **model_flags})
@@ -581,18 +561,17 @@ def main(argv=None):
 
             # once in a while evaluate the val loss
             if eval_now:
-                val_loader.seek(0, 0, 0, 0)  # the same val tokens every time
+                val_loader.micro_batches_read = 0  # the same val tokens every time
                 val_loss, val_bpb = evaluate_val_loss(model, val_loader.next_batch, val_steps, token_bytes,
                                                       autocast_ctx, device)
                 judge_checkpoint(args, step, {"val_loss": val_loss}, scaler, saved=False)
                 log.val(step, val_loss, val_bpb, val_tokens=val_tokens)
 
             # once in a while evaluate HellaSwag
-            if hellaswag_examples and (step % args.hellaswag_every == 0 or last_step):
-                correct, correct_norm, count = evaluate_hellaswag(
+            if eval_now and hellaswag_examples:
+                acc, acc_norm, count = evaluate_hellaswag(
                     raw_model, hellaswag_examples, enc, device, 16, autocast_ctx, split_ranks=not args.fsdp,
                     should_stop=lambda: stop_if_asked(device))
-                acc, acc_norm = correct / count, correct_norm / count
                 state["hellaswag_acc_norm"] = acc_norm  # the summary's
                 log({"step": step, "hellaswag_acc": acc, "hellaswag_acc_norm": acc_norm},
                     f"step {step:5d} | hellaswag acc {acc:.4f} acc_norm {acc_norm:.4f} ({count})")
@@ -602,7 +581,8 @@ def main(argv=None):
             if eval_now and args.num_samples and step > start_step and (master_process or args.fsdp):
                 # the samples' own generator: the training RNG is left alone
                 generator = torch.Generator(device).manual_seed(args.seed + step)
-                prompt_ids = enc.encode(args.prompt) or [EOT_TOKEN]
+                # each sample is a document that starts with the prompt: in the shards <|endoftext|> comes first
+                prompt_ids = [EOT_TOKEN] + enc.encode(args.prompt)
                 prompts = torch.tensor([prompt_ids] * args.num_samples, device=device)
                 samples = sample_tokens(raw_model, prompts, args.sample_len, enc.n_vocab, generator,
                                         autocast_ctx)
@@ -1603,8 +1583,11 @@ def render_hellaswag(example, enc):
 def score_hellaswag(model, rendered, device, n_vocab, autocast_ctx=nullcontext()):
     """Score rendered examples in one forward (right padding changes nothing under causal attention). Returns
     the endings with the lowest summed loss and with the lowest mean loss per token."""
-    # (tokens, mask) of every row, 4 an example
-    rows = [row for ex_rows, ex_masks, _ in rendered for row in zip(ex_rows, ex_masks)]
+    # (tokens, mask) of every row, 4 an example. A row longer than the model's context keeps its last
+    # block_size tokens: the start of the context goes, as in lm-evaluation-harness, and the ending is scored.
+    max_len = model.config.block_size
+    rows = [(row[-max_len:], mask[-max_len:])
+            for ex_rows, ex_masks, _ in rendered for row, mask in zip(ex_rows, ex_masks)]
     width = max(len(tokens) for tokens, _ in rows)
     tokens = torch.tensor([t + [0] * (width - len(t)) for t, _ in rows], device=device)
     # the positions whose next token is an ending token: only their predictions are scored
@@ -1622,21 +1605,16 @@ def score_hellaswag(model, rendered, device, n_vocab, autocast_ctx=nullcontext()
 
 def evaluate_hellaswag(model, examples, enc, device, batch_size=8, autocast_ctx=nullcontext(),
                        split_ranks=True, should_stop=None):
-    """(correct, correct_norm, count) over the examples, summed over the ranks: acc's and acc_norm's counts. The
-    examples are split across the ranks, but FSDP ranks, which forward in lockstep, each score all. In a
-    training loop, should_stop() is asked every 16 batches (a collective): True stops it, returning None."""
-    n_vocab = min(enc.n_vocab, model.config.vocab_size)
+    """(acc, acc_norm, count) over the examples of all ranks. The examples are split across the ranks, but FSDP
+    ranks, which forward in lockstep, each score all. In a training loop, should_stop() is asked every 16
+    batches (a collective): True stops it, returning None."""
     max_len = model.config.block_size
     # the batches every rank has (a split may give a rank one more): the stop is asked only within them
     batches_on_every_rank = math.ceil(len(examples) // (world_size if split_ranks else 1) / batch_size)
     if split_ranks:
         examples = examples[rank::world_size]
     rendered = [render_hellaswag(example, enc) for example in examples]
-    cropped = sum(max(map(len, rows)) > max_len for rows, _, _ in rendered)
-    # A row longer than the model's context keeps its last max_len tokens: the start of the context goes, as
-    # in lm-evaluation-harness, and the ending is scored as before.
-    rendered = [([row[-max_len:] for row in rows], [mask[-max_len:] for mask in masks], label)
-                for rows, masks, label in rendered]
+    cropped = sum(max(map(len, rows)) > max_len for rows, _, _ in rendered)  # score_hellaswag crops them
     rendered.sort(key=lambda example: max(map(len, example[0])))  # by length: batches with little padding
     correct = correct_norm = 0
     for i in progress(range(0, len(rendered), batch_size), "hellaswag"):
@@ -1644,7 +1622,7 @@ def evaluate_hellaswag(model, examples, enc, device, batch_size=8, autocast_ctx=
         if should_stop and batch_index % 16 == 15 and batch_index < batches_on_every_rank and should_stop():
             return None
         batch = rendered[i: i + batch_size]
-        by_sum, by_mean = score_hellaswag(model, batch, device, n_vocab, autocast_ctx)
+        by_sum, by_mean = score_hellaswag(model, batch, device, enc.n_vocab, autocast_ctx)
         for pred, pred_norm, (_, _, label) in zip(by_sum, by_mean, batch):
             correct += pred == label
             correct_norm += pred_norm == label
@@ -1655,7 +1633,7 @@ def evaluate_hellaswag(model, examples, enc, device, batch_size=8, autocast_ctx=
     if cropped:
         print0(f"hellaswag: {cropped} of {count} examples are longer than the model's context ({max_len} tokens): "
                f"the start of their context is left out")
-    return correct, correct_norm, count
+    return correct / count, correct_norm / count, count
 # ---- end shared: hellaswag ----
 
 

@@ -41,12 +41,12 @@ def main():
     for batch_size in args.batch_sizes:
         tg.evaluate_hellaswag(model, examples[:batch_size], enc, device, batch_size, autocast_ctx=ctx)  # warm-up
         start = time.perf_counter()
-        correct, correct_norm, count = tg.evaluate_hellaswag(model, examples, enc, device, batch_size, autocast_ctx=ctx)
+        acc, acc_norm, count = tg.evaluate_hellaswag(model, examples, enc, device, batch_size, autocast_ctx=ctx)
         speed = count / (time.perf_counter() - start)
         first = first or speed
-        counts.add((correct, correct_norm))
+        counts.add((acc, acc_norm))
         print(f"| {args.ckpt or args.preset} | {device} | {count} | {batch_size} | {speed:.2f} | {speed / first:.2f}x | "
-              f"{correct_norm / count:.4f} |", flush=True)
+              f"{acc_norm:.4f} |", flush=True)
     print(f"the same counts at every batch size: {len(counts) == 1}")
 
 

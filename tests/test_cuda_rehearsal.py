@@ -53,7 +53,7 @@ def gpu_run(shards, tmp_path_factory):
     write_hellaswag_fixture(out / "hellaswag.jsonl")
     proc = run("train_gpt2.py", *AS_TYPED, "--data_dir", shards, "--out_dir", out, "--max_steps", 4, "--eval_every", 2,
                "--num_samples", 2, "--sample_len", 6, "--hellaswag_file", out / "hellaswag.jsonl",
-               "--hellaswag_every", 2, env=gpu_machine(out / "trace"), check=True)
+               env=gpu_machine(out / "trace"), check=True)
     return out, proc
 
 

@@ -69,7 +69,7 @@ def test_examples_longer_than_the_context_are_cropped_from_the_left(tmp_path, ca
     cropped = [([r[-24:] for r in rows], [m[-24:] for m in masks], label) for rows, masks, label in rendered]
     pred, pred_norm = score_hellaswag(model, cropped, "cpu", 50257)
     labels = [label for _, _, label in rendered]
-    expected = (sum(p == y for p, y in zip(pred, labels)), sum(p == y for p, y in zip(pred_norm, labels)), 6)
+    expected = (sum(p == y for p, y in zip(pred, labels)) / 6, sum(p == y for p, y in zip(pred_norm, labels)) / 6, 6)
     assert evaluate_hellaswag(model, examples, enc, "cpu", batch_size=4) == expected
     assert f"hellaswag: {long} of 6 examples are longer than the model's context (24 tokens)" in capsys.readouterr().out
 
