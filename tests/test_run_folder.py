@@ -188,9 +188,8 @@ def test_a_dry_run_writes_nothing_and_flags_that_do_nothing_are_refused(shards, 
                "--dry_run", check=True)
     assert not out.exists() and "summary: best_val_loss" in proc.stdout
     assert "--dry_run reads and writes no out_dir: --out_dir go unused" in proc.stdout  # issue 56.11
-    for flag, mode in (("--muon_lr", "--optimizer adamw"), ("--hellaswag_limit", "no --hellaswag_file")):
-        proc = run("train_gpt2.py", *TINY, "--data_dir", shards, "--out_dir", out, flag, 5)
-        assert proc.returncode == 2 and proc.stderr == f"error: {flag} does nothing with {mode}; drop it\n"
+    proc = run("train_gpt2.py", *TINY, "--data_dir", shards, "--out_dir", out, "--muon_lr", 5)
+    assert proc.returncode == 2 and proc.stderr == "error: --muon_lr does nothing with --optimizer adamw; drop it\n"
     # evals and checkpoints off
     off = tmp_path / "off"
     no_evals = TINY[: TINY.index("--num_samples")] + ["--compile", "off"]  # no eval flags: they would be refused

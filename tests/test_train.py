@@ -67,7 +67,7 @@ def test_loss_falls_on_real_text(shards, tmp_path):
     record = [r for r in read_log(out) if r["step"] == 39 and "loss" in r][0]
     assert {"lr", "grad_norm", "ms", "tok_per_s", "peak_mem_gib"} <= record.keys()
     ckpt = torch.load(sorted(glob.glob(str(out / "ckpt_*.pt")))[-1], weights_only=True)
-    assert ckpt["step"] == 40 and ckpt["val_loss"] == val[40] and ckpt["loader"]["windows_read"] == 40
+    assert ckpt["step"] == 40 and ckpt["val_loss"] == val[40] and ckpt["loader"]["tokens_read"] == 40 * 256
     assert ckpt["args"]["max_steps"] == 40 and ckpt["config"]["n_embd"] == 32
     assert all(not k.startswith(("module.", "_orig_mod.")) for k in ckpt["model"])
 
