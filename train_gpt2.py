@@ -101,7 +101,7 @@ def get_args(argv=None):
     p.add_argument("--seed", type=seed_int, default=1337, help="random seed")
     # eval and sampling
     p.add_argument("--eval_every", type=nonneg_int, default=250,
-                   help="val loss and samples every N steps (and at the end; 0: never)")
+                   help="val loss, samples and HellaSwag every N steps (and at the end; 0: never)")
     p.add_argument("--val_tokens", type=positive_int, default=10485760,
                    help="tokens of the val shard each eval reads")
     p.add_argument("--num_samples", type=nonneg_int, default=4,
@@ -337,10 +337,6 @@ def find_shards(data_dir, split):
     return [os.path.join(data_dir, name) for name in names if shard.search(name)]
 
 
-# What a checkpoint's data position depends on: a run that reads the shards otherwise cannot go on from it.
-DATA_KEYS = ("seed", "window_tokens", "num_windows")
-
-
 class ShardLoader:
     """(B, T) inputs and targets on the device, from token shards read a window at a time. A window is
     micro_batches_per_window micro-batches of all ranks, one after the other in the shard, and in each
@@ -369,14 +365,15 @@ class ShardLoader:
         return np.random.default_rng((self.seed, *key)).permutation(n)
 
     def state(self):
-        """The position and what it depends on; the micro-batch size may change (shuffled: a window is a step)."""
-        return {"tokens_read": self.tokens_read, **{key: getattr(self, key) for key in DATA_KEYS}}
+        """The position, and what it depends on: a run that reads the shards otherwise cannot go on from it. The
+        micro-batch size may change (shuffled: a window is a step)."""
+        return dict(tokens_read=self.tokens_read, seed=self.seed, window_tokens=self.window_tokens,
+                    num_windows=self.num_windows)
 
     def load_state(self, state):
-        theirs = [state[key] for key in DATA_KEYS]
-        ours = [getattr(self, key) for key in DATA_KEYS]
-        if theirs != ours:
-            die(f"the checkpoint's data position is one of {DATA_KEYS} = {theirs}, and this run reads {ours}: "
+        ours = {**self.state(), "tokens_read": state.get("tokens_read")}  # all but the position must be the same
+        if state != ours:
+            die(f"the checkpoint's data position is {state}, and this run reads {ours}: "
                 f"resume with the same --data_dir, --data_order and --total_batch_size (sequential order: also the "
                 f"same --micro_batch_size, --seq_len and number of processes)")
         self.tokens_read = state["tokens_read"]
