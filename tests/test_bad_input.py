@@ -139,7 +139,6 @@ CASES = [
     case("mid-epochs-neg", "mid_train.py", *MID, "--data", "chat:{tmp}/ok.jsonl:-2", expect="must be 1 or more"),
     case("mid-val_data-missing", "mid_train.py", *MID, "--data", "chat:{tmp}/ok.jsonl", "--val_data",
          "gsm8k:{tmp}/missing.jsonl", expect="--val_data gsm8k:"),
-    case("train-run-not-a-name", "train_gpt2.py", "--run", "../x", expect="argument --run"),
     case("mid-nothing-to-learn", "mid_train.py", *MID, "--data", "chat:{tmp}/user_only.jsonl", "--val_fraction", 0.5,
          "--micro_batch_size", 1, expect="no token to learn"),
     case("mid-val_fraction-0", "mid_train.py", "--val_fraction", 0, expect="argument --val_fraction"),
