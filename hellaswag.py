@@ -590,8 +590,8 @@ def exit_on_out_of_memory(main):
     """Run main(); running out of memory anywhere in it is one line saying what to lower, exit 2."""
     try:
         return main()
-    except Exception as e:  # torch reports a failed CPU allocation as a RuntimeError
-        out_of_memory = isinstance(e, (MemoryError, torch.OutOfMemoryError)) or any(
+    except Exception as e:  # torch's errors say "out of memory", a failed CPU allocation's in a RuntimeError
+        out_of_memory = isinstance(e, MemoryError) or any(
             text in str(e) for text in ("can't allocate memory", "not enough memory", "out of memory"))
         if not out_of_memory:
             raise
@@ -627,16 +627,17 @@ def load_checkpoint(path, mmap=False):
             # mmap: a tensor is read from the file only when it is used
             checkpoint = torch.load(candidate, map_location="cpu", weights_only=True, mmap=mmap)
             # Ours holds the model and its GPTConfig's fields. Another program's can have keys of these names
-            # (nanoGPT's config is its training flags), and a model edited since may have dropped a field.
-            config = checkpoint.get("config") if isinstance(checkpoint, dict) else None
-            if isinstance(config, dict) and "model" in checkpoint and config.keys() <= vars(GPTConfig()).keys():
-                if problems:
-                    print0(f"passing over {'; '.join(problems)}; using {candidate}", file=sys.stderr)
-                return checkpoint, candidate
-            problems.append(f"{candidate} is not a train_gpt2.py/mid_train.py checkpoint (no model and config "
-                            f"of GPTConfig's fields in it)")
+            # (nanoGPT's config is its training flags), and a model edited since may have dropped a field: either
+            # fails here, as a truncated, empty or foreign file fails to load.
+            GPTConfig(**checkpoint["config"])
+            checkpoint["model"]
         except Exception as e:
-            problems.append(f"{candidate} is not a readable checkpoint ({type(e).__name__})")
+            problems.append(f"{candidate} is not a readable checkpoint, or not a train_gpt2.py/mid_train.py "
+                            f"checkpoint ({e!r})")
+        else:
+            if problems:
+                print0(f"passing over {'; '.join(problems)}; using {candidate}", file=sys.stderr)
+            return checkpoint, candidate
     die(f"no readable checkpoint at {path} ({'; '.join(problems) or 'none there'}): give a ckpt_*.pt file of "
         f"train_gpt2.py or mid_train.py, or an out_dir holding one (a run to continue: start afresh in another "
         f"--out_dir)")
