@@ -456,16 +456,17 @@ def load_checkpoint(path, mmap=False):
             # mmap: a tensor is read from the file only when it is used
             checkpoint = torch.load(candidate, map_location="cpu", weights_only=True, mmap=mmap)
             # Ours holds the model and its GPTConfig's fields. Another program's can have keys of these names
-            # (nanoGPT's config is its training flags), and a model edited since may have dropped a field.
-            config = checkpoint.get("config") if isinstance(checkpoint, dict) else None
-            if isinstance(config, dict) and "model" in checkpoint and config.keys() <= vars(GPTConfig()).keys():
-                if problems:
-                    print0(f"passing over {'; '.join(problems)}; using {candidate}", file=sys.stderr)
-                return checkpoint, candidate
-            problems.append(f"{candidate} is not a train_gpt2.py/mid_train.py checkpoint (no model and config "
-                            f"of GPTConfig's fields in it)")
+            # (nanoGPT's config is its training flags), and a model edited since may have dropped a field: either
+            # fails here, as a truncated, empty or foreign file fails to load.
+            GPTConfig(**checkpoint["config"])
+            checkpoint["model"]
         except Exception as e:
-            problems.append(f"{candidate} is not a readable checkpoint ({type(e).__name__})")
+            problems.append(f"{candidate} is not a readable checkpoint, or not a train_gpt2.py/mid_train.py "
+                            f"checkpoint ({e!r})")
+        else:
+            if problems:
+                print0(f"passing over {'; '.join(problems)}; using {candidate}", file=sys.stderr)
+            return checkpoint, candidate
     die(f"no readable checkpoint at {path} ({'; '.join(problems) or 'none there'}): give a ckpt_*.pt file of "
         f"train_gpt2.py or mid_train.py, or an out_dir holding one (a run to continue: start afresh in another "
         f"--out_dir)")

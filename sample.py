@@ -583,24 +583,22 @@ def gpt_from_pretrained(model_type):
 
 
 def load_hf_state_dict(model, hf_state):
-    """Copy weights from transformers' GPT2LMHeadModel, whose Conv1D layers store weights transposed. A model
+    """Load the weights of transformers' GPT2LMHeadModel, whose Conv1D layers store weights transposed. A model
     whose weights have other names or shapes than GPT-2's is a one-line error naming one."""
-    state = model.state_dict()
     transposed = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
-    causal_masks = (".attn.bias", ".attn.masked_bias")  # buffers, not weights
+    causal_masks = (".attn.bias", ".attn.masked_bias")  # buffers of older transformers, not weights
     hf_state = {name: value.t() if name.endswith(transposed) else value
                 for name, value in hf_state.items() if not name.endswith(causal_masks)}
-    # each weight's name and the shape of its rows (our embedding has more rows: it is padded)
-    ours = {(name, value.shape[1:]) for name, value in state.items()}
-    theirs = {(name, value.shape[1:]) for name, value in hf_state.items()}
-    if ours != theirs:
-        name, shape = min(ours ^ theirs)
-        die(f"OpenAI's GPT-2 weights do not fit this model's layout ({name}, rows of shape {tuple(shape)}, "
-            f"is in one of them only): train this model from scratch, or start from a checkpoint of it")
-    for name, value in hf_state.items():  # state's tensors are detached: copied into without autograd
-        state[name][: value.size(0)].copy_(value)
-        # the padding rows of the embedding start at the mean embedding: they take almost no probability
-        state[name][value.size(0):].copy_(value.mean(0))
+    # Our embedding, tied with the head, has more rows (it is padded): they start at the mean embedding, which takes
+    # almost no probability.
+    wte = hf_state["transformer.wte.weight"]
+    padding = wte.mean(0).expand(model.config.vocab_size - len(wte), -1)
+    hf_state["transformer.wte.weight"] = hf_state["lm_head.weight"] = torch.cat([wte, padding])
+    try:
+        model.load_state_dict(hf_state)
+    except RuntimeError as e:  # weights missing, new or of other shapes: torch's second line names them
+        die(f"OpenAI's GPT-2 weights do not fit this model ({str(e).splitlines()[1].strip()}): train this model "
+            f"from scratch, or start from a checkpoint of it")
 # ---- end shared: pretrained ----
 
 
@@ -674,7 +672,7 @@ def autocast_dtype(dtype_arg, device):
 
 
 def autocast_context(device_type, dtype):
-    return nullcontext() if dtype == torch.float32 else torch.autocast(device_type=device_type, dtype=dtype)
+    return torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32)
 # ---- end shared: distributed ----
 
 
@@ -692,8 +690,8 @@ def exit_on_out_of_memory(main):
     """Run main(); running out of memory anywhere in it is one line saying what to lower, exit 2."""
     try:
         return main()
-    except Exception as e:  # torch reports a failed CPU allocation as a RuntimeError
-        out_of_memory = isinstance(e, (MemoryError, torch.OutOfMemoryError)) or any(
+    except Exception as e:  # torch's errors say "out of memory", a failed CPU allocation's in a RuntimeError
+        out_of_memory = isinstance(e, MemoryError) or any(
             text in str(e) for text in ("can't allocate memory", "not enough memory", "out of memory"))
         if not out_of_memory:
             raise
@@ -729,16 +727,17 @@ def load_checkpoint(path, mmap=False):
             # mmap: a tensor is read from the file only when it is used
             checkpoint = torch.load(candidate, map_location="cpu", weights_only=True, mmap=mmap)
             # Ours holds the model and its GPTConfig's fields. Another program's can have keys of these names
-            # (nanoGPT's config is its training flags), and a model edited since may have dropped a field.
-            config = checkpoint.get("config") if isinstance(checkpoint, dict) else None
-            if isinstance(config, dict) and "model" in checkpoint and config.keys() <= vars(GPTConfig()).keys():
-                if problems:
-                    print0(f"passing over {'; '.join(problems)}; using {candidate}", file=sys.stderr)
-                return checkpoint, candidate
-            problems.append(f"{candidate} is not a train_gpt2.py/mid_train.py checkpoint (no model and config "
-                            f"of GPTConfig's fields in it)")
+            # (nanoGPT's config is its training flags), and a model edited since may have dropped a field: either
+            # fails here, as a truncated, empty or foreign file fails to load.
+            GPTConfig(**checkpoint["config"])
+            checkpoint["model"]
         except Exception as e:
-            problems.append(f"{candidate} is not a readable checkpoint ({type(e).__name__})")
+            problems.append(f"{candidate} is not a readable checkpoint, or not a train_gpt2.py/mid_train.py "
+                            f"checkpoint ({e!r})")
+        else:
+            if problems:
+                print0(f"passing over {'; '.join(problems)}; using {candidate}", file=sys.stderr)
+            return checkpoint, candidate
     die(f"no readable checkpoint at {path} ({'; '.join(problems) or 'none there'}): give a ckpt_*.pt file of "
         f"train_gpt2.py or mid_train.py, or an out_dir holding one (a run to continue: start afresh in another "
         f"--out_dir)")

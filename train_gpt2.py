@@ -557,7 +557,7 @@ def main(argv=None):
                 val_loader.tokens_read = 0  # the same val tokens every time
                 val_loss, val_bpb = evaluate_val_loss(model, val_loader.next_batch, val_steps, token_bytes,
                                                       autocast_ctx, device)
-                judge_checkpoint(args, step, {"val_loss": val_loss}, scaler, saved=False)
+                judge_checkpoint(args, step, {"val_loss": val_loss}, saved=False)
                 log.val(step, val_loss, val_bpb, val_tokens=val_steps * micro_step_tokens)
 
             # once in a while evaluate HellaSwag
@@ -601,7 +601,7 @@ def main(argv=None):
             metrics = sync_ranks(device, metrics)  # the step's one host sync: the means over the ranks
             seconds = time.perf_counter() - t0
             # the step's loss judges the weights it started from: a checkpoint of them is kept, or it diverged
-            judge_checkpoint(args, step, metrics, scaler, saved)
+            judge_checkpoint(args, step, metrics, saved)
             log.step(step, {**metrics, **learning_rates}, seconds, train_loader.epoch)  # a line every --log_every steps
     except StopRun:
         stop_run(args, state, save)
@@ -667,7 +667,7 @@ def autocast_dtype(dtype_arg, device):
 
 
 def autocast_context(device_type, dtype):
-    return nullcontext() if dtype == torch.float32 else torch.autocast(device_type=device_type, dtype=dtype)
+    return torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32)
 # ---- end shared: distributed ----
 
 
@@ -707,8 +707,8 @@ def setup_training(raw_model, args, dtype, device):
         print0("compiling the model (the first step takes a minute or more)", flush=True)
     model = raw_model
     if world_size > 1 and not args.fsdp:
-        # a GPU a process
-        model = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None)
+        # a GPU a process: DDP takes the one the model is on (on a CPU there is none to give)
+        model = DDP(raw_model)
         # Compiled in place, DDP stays a DDP (for its gradient-sync switch), and Dynamo's DDPOptimizer splits
         # the graph at the gradient buckets, so that each bucket's all-reduce overlaps the rest of the
         # backward. Evals run its forward under no_grad, with no gradient sync.
@@ -862,8 +862,8 @@ def exit_on_out_of_memory(main):
     """Run main(); running out of memory anywhere in it is one line saying what to lower, exit 2."""
     try:
         return main()
-    except Exception as e:  # torch reports a failed CPU allocation as a RuntimeError
-        out_of_memory = isinstance(e, (MemoryError, torch.OutOfMemoryError)) or any(
+    except Exception as e:  # torch's errors say "out of memory", a failed CPU allocation's in a RuntimeError
+        out_of_memory = isinstance(e, MemoryError) or any(
             text in str(e) for text in ("can't allocate memory", "not enough memory", "out of memory"))
         if not out_of_memory:
             raise
@@ -934,16 +934,17 @@ def load_checkpoint(path, mmap=False):
             # mmap: a tensor is read from the file only when it is used
             checkpoint = torch.load(candidate, map_location="cpu", weights_only=True, mmap=mmap)
             # Ours holds the model and its GPTConfig's fields. Another program's can have keys of these names
-            # (nanoGPT's config is its training flags), and a model edited since may have dropped a field.
-            config = checkpoint.get("config") if isinstance(checkpoint, dict) else None
-            if isinstance(config, dict) and "model" in checkpoint and config.keys() <= vars(GPTConfig()).keys():
-                if problems:
-                    print0(f"passing over {'; '.join(problems)}; using {candidate}", file=sys.stderr)
-                return checkpoint, candidate
-            problems.append(f"{candidate} is not a train_gpt2.py/mid_train.py checkpoint (no model and config "
-                            f"of GPTConfig's fields in it)")
+            # (nanoGPT's config is its training flags), and a model edited since may have dropped a field: either
+            # fails here, as a truncated, empty or foreign file fails to load.
+            GPTConfig(**checkpoint["config"])
+            checkpoint["model"]
         except Exception as e:
-            problems.append(f"{candidate} is not a readable checkpoint ({type(e).__name__})")
+            problems.append(f"{candidate} is not a readable checkpoint, or not a train_gpt2.py/mid_train.py "
+                            f"checkpoint ({e!r})")
+        else:
+            if problems:
+                print0(f"passing over {'; '.join(problems)}; using {candidate}", file=sys.stderr)
+            return checkpoint, candidate
     die(f"no readable checkpoint at {path} ({'; '.join(problems) or 'none there'}): give a ckpt_*.pt file of "
         f"train_gpt2.py or mid_train.py, or an out_dir holding one (a run to continue: start afresh in another "
         f"--out_dir)")
@@ -979,8 +980,7 @@ def add_run_flags(p):
     p.add_argument("--log_every", type=positive_int, default=1, help="log every N-th step (a line and a record)")
     p.add_argument("--peak_flops", type=positive_float, help="device peak FLOP/s for MFU (known GPUs are detected)")
     p.add_argument("--wandb_project", help="log to this wandb project (WANDB_MODE=offline works)")
-    p.add_argument("--run", type=run_name,
-                   help="the run's name: wandb's name for it, and out/RUN when --out_dir is not given")
+    p.add_argument("--run", help="the run's name: wandb's name for it, and out/RUN when --out_dir is not given")
     p.add_argument("--dry_run", action="store_true",
                    help="train and evaluate as given, but read and write no out_dir: no checkpoint, log or summary")
     p.add_argument("--device", default="auto", help="auto, cuda, cuda:N, mps or cpu")
@@ -991,13 +991,6 @@ def add_run_flags(p):
     p.add_argument("--compile", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
                    help="torch.compile the model; auto: on for CUDA (on a CPU it gains less than the minute "
                         "it takes)")
-
-
-def run_name(text):
-    """An argparse type: --run names a folder in out/, so it is one plain folder name."""
-    if not text or os.sep in text or text in (".", ".."):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a folder name: give a name without '{os.sep}'")
-    return text
 
 
 def take_defaults(args, argv, defaults):
@@ -1015,11 +1008,11 @@ def continue_run(args, argv, fixed, kind):
         take_defaults(args, argv, {"out_dir": os.path.join("out", args.run)})
     args.resume_checkpoint = None
     if args.dry_run:
-        refuse_ignored(argv, {"--dry_run, which reads no out_dir": (True, ["resume"])})
-        unused = [f"--{name}" for name in ("out_dir", "run", "save_every", "keep_checkpoints", "wandb_project")
-                  if name in given_flags(argv)]
+        if args.resume:
+            die("--resume does nothing with --dry_run, which reads no out_dir; drop it")
+        unused = given_flags(argv) & {"out_dir", "run", "save_every", "keep_checkpoints", "wandb_project"}
         if unused:
-            print0(f"--dry_run reads and writes no out_dir: {', '.join(unused)} go unused")
+            print0(f"--dry_run reads and writes no out_dir: --{', --'.join(sorted(unused))} go unused")
         args.out_dir, args.save_every = os.devnull, 0  # a folder that holds nothing and takes nothing
         return
     refuse_ignored(argv, {"--save_every 0": (args.save_every == 0, ["keep_checkpoints"])})
@@ -1035,10 +1028,10 @@ def continue_run(args, argv, fixed, kind):
     for key in fixed:  # the model's shape as built: args hold None where --model gave it
         if key in checkpoint["config"]:
             saved[key] = checkpoint["config"][key]
-    for key in ("resume", "resume_checkpoint", "out_dir", "demo"):
+    # each launch's own: where it goes on from, and --fsdp (no flag turns it off; a checkpoint of either kind loads)
+    for key in ("resume", "resume_checkpoint", "out_dir", "demo", "fsdp"):
         saved.pop(key, None)
-    # --fsdp is each launch's own (no flag turns it off): a checkpoint of either kind loads; a change is said
-    take_defaults(args, argv, {key: value for key, value in saved.items() if key != "fsdp"})
+    take_defaults(args, argv, saved)
     changed = [key for key, value in saved.items() if getattr(args, key, value) != value]
     for key in changed:
         if key in fixed:
@@ -1066,14 +1059,13 @@ def take_out_dir(args):
     run's, under the time they were set aside."""
     if master_process and not args.dry_run:
         prepare_out_dir(args.out_dir)
-        earlier = [name for name in ("log.jsonl", "summary.json") if os.path.exists(os.path.join(args.out_dir, name))]
-        if not args.resume_checkpoint and earlier:
-            stamp = time.strftime("%Y%m%d-%H%M%S")
-            kept = [name.replace(".", f".{stamp}.") for name in earlier]  # log.20261126-101500.jsonl
-            for name, new_name in zip(earlier, kept):
-                os.replace(os.path.join(args.out_dir, name), os.path.join(args.out_dir, new_name))
-            print(f"--out_dir {args.out_dir} held a run that saved no checkpoint: kept its {' and '.join(earlier)} as "
-                  f"{' and '.join(kept)}; this run starts anew")
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        for name, kept in (("log.jsonl", f"log.{stamp}.jsonl"), ("summary.json", f"summary.{stamp}.json")):
+            path = os.path.join(args.out_dir, name)
+            if not args.resume_checkpoint and os.path.exists(path):
+                os.replace(path, os.path.join(args.out_dir, kept))
+                print(f"--out_dir {args.out_dir} held a run that saved no checkpoint: kept its {name} as {kept}; "
+                      f"this run starts anew")
 
 
 def restore_run(checkpoint, state, raw_model, optimizers, scaler):
@@ -1111,13 +1103,9 @@ def save_checkpoint(raw_model, optimizers, scaler, args, state, kind):
         checkpoint = {"model": model_state, "optimizer": optimizer_state, "scaler": scaler.state_dict(),
                       "config": asdict(raw_model.config), "args": vars(args), "kind": kind, **state}
         path = checkpoint_path(args.out_dir, state["step"])
-        older = older_checkpoints(args.out_dir, state["step"])
-        if older:
-            advice = (f"free space in --out_dir {args.out_dir} (or move it), then go on with --resume from "
-                      f"{os.path.basename(older[-1])}: the older checkpoints are as they were")
-        else:
-            advice = f"free space in --out_dir {args.out_dir} or give another one, then start the run again"
-        write_file(path, lambda f: torch.save(checkpoint, f), advice)
+        # the older checkpoints are as they were: the same command goes on from the newest (or starts afresh)
+        write_file(path, lambda f: torch.save(checkpoint, f),
+                   f"free space in --out_dir {args.out_dir} (or move it), then run the same command again")
         print(f"saved {path}", flush=True)
     if dist.is_initialized():
         dist.barrier()
@@ -1128,17 +1116,17 @@ def checkpoint_path(out_dir, step):
 
 
 def older_checkpoints(out_dir, step):
-    """The checkpoints in out_dir from steps before step, oldest first."""
-    return [path for path in checkpoint_files(out_dir) if path < checkpoint_path(out_dir, step)]
+    """The checkpoints in out_dir from steps before step, the newest first."""
+    return [path for path in checkpoint_files(out_dir)[::-1] if path < checkpoint_path(out_dir, step)]
 
 
-def judge_checkpoint(args, step, metrics, scaler, saved):
+def judge_checkpoint(args, step, metrics, saved):
     """The losses in metrics, of the weights this step starts from, judge them. Finite: the checkpoint of them
     (saved at this step, if saved) is good, and the older ones past --keep_checkpoints go. Not: the run diverged
     and stops at once on every rank; that checkpoint is deleted, and the error line names the newest good one."""
-    # float16's grad scaler skips a step whose gradients overflow: there an infinite gradient norm is no divergence
-    judged = ["loss", "val_loss"] if scaler.is_enabled() else ["loss", "val_loss", "grad_norm"]
-    if all(math.isfinite(value) for name, value in metrics.items() if name in judged):
+    # The losses alone: float16's grad scaler skips a step whose gradients overflow, so an infinite gradient norm
+    # is no divergence there; elsewhere a non-finite gradient makes the weights so, and the next step's loss says it.
+    if all(math.isfinite(metrics.get(name, 0.0)) for name in ("loss", "val_loss")):
         if saved:
             prune_checkpoints(args, step)
         return
@@ -1147,7 +1135,7 @@ def judge_checkpoint(args, step, metrics, scaler, saved):
         if saved:
             os.remove(path)
         older = older_checkpoints(args.out_dir, step)
-        what_to_do = (f"resume from {older[-1]} with --resume and a lower --lr" if older
+        what_to_do = (f"resume from {older[0]} with --resume and a lower --lr" if older
                       else "start again with a lower --lr")
         if os.path.isfile(path):  # the run resumed from these weights: --resume would take them again
             what_to_do = f"move {path} aside (its weights diverge), then {what_to_do}"
@@ -1157,31 +1145,20 @@ def judge_checkpoint(args, step, metrics, scaler, saved):
 
 
 def prune_checkpoints(args, step):
-    """Keep step's checkpoint and the --keep_checkpoints - 1 readable ones before it. They are counted back from
-    step's, not from the newest name: a newer file is a leftover that --resume passed over (unreadable, or past
-    where this run went on from), and pruning by name would delete step's checkpoint instead. An unreadable one is
-    neither counted nor deleted: it never pushes a good one out."""
+    """Keep step's checkpoint and the --keep_checkpoints - 1 before it. They are counted back from step's, not from
+    the newest name: a newer file is a leftover that --resume passed over (unreadable, or past where this run went
+    on from), and pruning by name would delete step's checkpoint instead."""
     if master_process:
-        older = [path for path in older_checkpoints(args.out_dir, step) if readable(path)]
-        for path in older[: max(0, len(older) - (args.keep_checkpoints - 1))]:
+        for path in older_checkpoints(args.out_dir, step)[args.keep_checkpoints - 1:]:
             os.remove(path)
-
-
-def readable(path):
-    try:  # mmap: the tensors are not read
-        torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:
-        return False
-    return True
 
 
 def stop_run(args, state, save):
     """A stop signal (StopRun): save the step the run was at, and say how the run goes on."""
+    outcome = "nothing saved (--save_every 0 or --dry_run)"
     if args.save_every:  # 0 in a dry run
         save()
         outcome = "the same command continues the run"
-    else:
-        outcome = "a dry run keeps nothing" if args.dry_run else "nothing saved (--save_every 0)"
     print0(f"stopped by signal at step {state['step']}; {outcome}", flush=True)
 
 
@@ -1212,24 +1189,22 @@ def gpt_from_pretrained(model_type):
 
 
 def load_hf_state_dict(model, hf_state):
-    """Copy weights from transformers' GPT2LMHeadModel, whose Conv1D layers store weights transposed. A model
+    """Load the weights of transformers' GPT2LMHeadModel, whose Conv1D layers store weights transposed. A model
     whose weights have other names or shapes than GPT-2's is a one-line error naming one."""
-    state = model.state_dict()
     transposed = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
-    causal_masks = (".attn.bias", ".attn.masked_bias")  # buffers, not weights
+    causal_masks = (".attn.bias", ".attn.masked_bias")  # buffers of older transformers, not weights
     hf_state = {name: value.t() if name.endswith(transposed) else value
                 for name, value in hf_state.items() if not name.endswith(causal_masks)}
-    # each weight's name and the shape of its rows (our embedding has more rows: it is padded)
-    ours = {(name, value.shape[1:]) for name, value in state.items()}
-    theirs = {(name, value.shape[1:]) for name, value in hf_state.items()}
-    if ours != theirs:
-        name, shape = min(ours ^ theirs)
-        die(f"OpenAI's GPT-2 weights do not fit this model's layout ({name}, rows of shape {tuple(shape)}, "
-            f"is in one of them only): train this model from scratch, or start from a checkpoint of it")
-    for name, value in hf_state.items():  # state's tensors are detached: copied into without autograd
-        state[name][: value.size(0)].copy_(value)
-        # the padding rows of the embedding start at the mean embedding: they take almost no probability
-        state[name][value.size(0):].copy_(value.mean(0))
+    # Our embedding, tied with the head, has more rows (it is padded): they start at the mean embedding, which takes
+    # almost no probability.
+    wte = hf_state["transformer.wte.weight"]
+    padding = wte.mean(0).expand(model.config.vocab_size - len(wte), -1)
+    hf_state["transformer.wte.weight"] = hf_state["lm_head.weight"] = torch.cat([wte, padding])
+    try:
+        model.load_state_dict(hf_state)
+    except RuntimeError as e:  # weights missing, new or of other shapes: torch's second line names them
+        die(f"OpenAI's GPT-2 weights do not fit this model ({str(e).splitlines()[1].strip()}): train this model "
+            f"from scratch, or start from a checkpoint of it")
 # ---- end shared: pretrained ----
 
 

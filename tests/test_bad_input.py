@@ -138,7 +138,6 @@ CASES = [
     case("mid-epochs-neg", "mid_train.py", *MID, "--data", "chat:{tmp}/ok.jsonl:-2", expect="must be 1 or more"),
     case("mid-val_data-missing", "mid_train.py", *MID, "--data", "chat:{tmp}/ok.jsonl", "--val_data",
          "gsm8k:{tmp}/missing.jsonl", expect="--val_data gsm8k:"),
-    case("train-run-not-a-name", "train_gpt2.py", "--run", "../x", expect="argument --run"),
     case("mid-nothing-to-learn", "mid_train.py", *MID, "--data", "chat:{tmp}/user_only.jsonl", "--val_fraction", 0.5,
          "--micro_batch_size", 1, expect="no token to learn"),
     case("mid-val_fraction-0", "mid_train.py", "--val_fraction", 0, expect="argument --val_fraction"),
@@ -480,4 +479,4 @@ def test_another_programs_checkpoint_is_one_error_line_in_every_script(tmp_path)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1, (script, proc.stderr[-3000:])
         assert lines[0].startswith("error: no readable checkpoint at"), lines[0]
-        assert "not a train_gpt2.py/mid_train.py checkpoint (no model and config of GPTConfig's fields" in lines[0]
+        assert "not a train_gpt2.py/mid_train.py checkpoint" in lines[0] and "unexpected keyword argument" in lines[0]

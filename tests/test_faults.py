@@ -54,7 +54,7 @@ def test_failed_checkpoint_write_is_one_line_and_keeps_the_older_checkpoint(shar
                        name=resource.RLIMIT_FSIZE)
     line = one_error_line(proc)
     assert proc.returncode == 2 and "ckpt_0000004.pt" in line and "File too large" in line, line
-    assert "--resume" in line and "ckpt_0000002.pt" in line, line
+    assert "run the same command again" in line, line
     assert glob.glob(str(out / "*.tmp")) == [] and not os.path.exists(out / "ckpt_0000004.pt")
     old = torch.load(out / "ckpt_0000002.pt", weights_only=True)
     assert old["step"] == 2

@@ -272,16 +272,6 @@ def test_a_new_run_into_a_folder_with_a_log_but_no_checkpoint_keeps_that_log(sha
     assert [r["step"] for r in read_log(out) if "loss" in r] == [0, 1]  # the new run's own log
 
 
-def test_pruning_neither_counts_nor_deletes_an_unreadable_checkpoint(shards, tmp_path):
-    """Issue 56.3: an unreadable ckpt_2 among the kept ones must not push the readable ckpt_1 out."""
-    out = tmp_path / "prune"
-    command = [*TINY, "--data_dir", shards, "--out_dir", out, "--save_every", 1, "--keep_checkpoints", 3]
-    run("train_gpt2.py", *command, "--max_steps", 3, check=True)
-    (out / "ckpt_0000002.pt").write_bytes(b"not a checkpoint")
-    run("train_gpt2.py", *command, "--max_steps", 4, check=True)
-    assert checkpoints(out) == ["ckpt_0000001.pt", "ckpt_0000002.pt", "ckpt_0000003.pt", "ckpt_0000004.pt"]
-
-
 def test_a_continued_run_logs_the_val_loss_of_the_step_it_goes_on_from(shards, tmp_path):
     """Issue 56.4: the final eval of a run (step 5, off the --eval_every 4 grid) is in the log after the run goes on,
     with the value the first run logged."""
@@ -345,7 +335,7 @@ def test_a_dry_run_leaves_nothing_behind_on_any_exit(shards, tmp_path):
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr
-    assert "a dry run keeps nothing" in stdout and "continues the run" not in stdout
+    assert "nothing saved (--save_every 0 or --dry_run)" in stdout and "continues the run" not in stdout
     failed = subprocess.run([*map(str, cmd[:2]), *map(str, TINY), "--data_dir", tmp_path / "none", "--dry_run"],
                             cwd=tmp_path, capture_output=True, text=True, env=env)
     assert failed.returncode == 2
