@@ -566,8 +566,7 @@ def main(argv=None):
                     raw_model, hellaswag_examples, enc, device, 16, autocast_ctx, split_ranks=not args.fsdp,
                     should_stop=lambda: stop_if_asked(device))
                 state["hellaswag_acc_norm"] = acc_norm  # the summary's
-                log({"step": step, "hellaswag_acc": acc, "hellaswag_acc_norm": acc_norm},
-                    f"step {step:5d} | hellaswag acc {acc:.4f} acc_norm {acc_norm:.4f} ({count})")
+                log({"step": step, "hellaswag_acc": acc, "hellaswag_acc_norm": acc_norm})
 
             # once in a while sample from the model (not at the start: it has learned nothing new yet); under
             # FSDP every rank runs the forward passes, as the weights are sharded
@@ -598,7 +597,7 @@ def main(argv=None):
             learning_rates = set_schedule(optimizers, lr_multiplier(step, args), step, args)
             metrics = train_step(model, optimizers, scaler, train_loader.next_batch, grad_accum_steps,
                                  args.total_batch_size, args.grad_clip, autocast_ctx)
-            metrics = sync_ranks(device, metrics)  # the step's one host sync: the means over the ranks
+            metrics = sync_ranks(metrics)  # the step's one host sync: the means over the ranks
             seconds = time.perf_counter() - t0
             # the step's loss judges the weights it started from: a checkpoint of them is kept, or it diverged
             judge_checkpoint(args, step, metrics, saved)
@@ -1226,15 +1225,6 @@ def hub_reachable():
 
 
 # ---- shared: logging ----
-def log_record(line):
-    """A log.jsonl line as a dict, or None for a line that is not one whole record."""
-    try:
-        record = json.loads(line)
-    except ValueError:  # UnicodeDecodeError included
-        return None
-    return record if isinstance(record, dict) else None
-
-
 # Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, by the exact name that
 # torch.cuda.get_device_name reports: a substring would give an H100 PCIe the SXM peak, an L40 the L4's.
 PEAK_BF16_FLOPS = {
@@ -1248,44 +1238,34 @@ PEAK_BF16_FLOPS = {
 
 
 class RunLog:
-    """What a run reports, on rank 0: a line on stdout, and a record in out_dir/log.jsonl and wandb (a dry run: the
-    line only). A continued run's log.jsonl and wandb run go on from its checkpoint's step: the records from there
-    on are dropped, and the run makes them again. The first record holds the flags and the environment; then come
-    the evals, the steps and, at the end, the summary. The run's state keeps the val loss, the best evals, the
-    tokens and the training time."""
+    """What a run reports, on rank 0: each record (a dict) is a line on stdout, a line of out_dir/log.jsonl and a
+    point in wandb (a dry run: the line only). The first record holds the flags and the environment; then come the
+    evals, the steps and, at the end, the summary. A continued run's log.jsonl and wandb run go on from its
+    checkpoint's step: the records from there on are dropped, and the run makes them again. The run's state keeps
+    the val loss, the best evals, the tokens and the training time."""
 
     def __init__(self, args, state, flops_per_token, device):
         self.args, self.state, self.flops_per_token, self.device = args, state, flops_per_token, device
         self.path = os.path.join(args.out_dir, "log.jsonl")
-        self.interval = []  # (metrics, seconds) of each step since the last step line
-        # MFU needs the device's peak FLOP/s: --peak_flops, or the table's entry for this GPU
+        self.interval = []  # each step's metrics and seconds since the last step record
         device_name = torch.cuda.get_device_name(device) if device.startswith("cuda") else device
+        # MFU needs the device's peak FLOP/s: --peak_flops, or the table's entry for this GPU
         self.peak_flops = args.peak_flops or PEAK_BF16_FLOPS.get(device_name)
         if master_process and not args.dry_run:
-            kept = []
-            if state["step"] > 0 and os.path.exists(self.path):
+            if os.path.exists(self.path):  # a continued run's (take_out_dir set a new run's aside)
                 with open(self.path, "rb") as f:
-                    records = [log_record(line) for line in f]
-                # a half-written line of a killed run (disk full, power loss): the rest is kept
-                if None in records:
-                    print(f"{self.path}: dropping {records.count(None)} unreadable (half-written) line(s)",
-                          file=sys.stderr)
-                kept = [json.dumps(r) + "\n" for r in records if r is not None and r.get("step", 0) < state["step"]]
-            write_file(self.path, lambda f: f.write("".join(kept).encode()),
-                       "free space in --out_dir or give another one")
+                    # A line cut short (a run killed as it wrote it) is the last, of a step the run makes again.
+                    kept = [line for line in f if line.endswith(b"\n") and json.loads(line)["step"] < state["step"]]
+                write_file(self.path, lambda f: f.writelines(kept), "free space in --out_dir or give another one")
             if args.wandb_project:
                 self.start_wandb()
-        environment = run_environment(device)
-        self({"step": state["step"], "flags": vars(args), "environment": environment},
-             "flags: " + " ".join(f"--{key} {value}" for key, value in vars(args).items())
-             + "\nenvironment: " + json.dumps(environment))
+        self({"step": state["step"], "flags": vars(args), "environment": run_environment(device_name)})
 
     def start_wandb(self):
-        """wandb's run: a continued one goes on from the checkpoint's step (resume_from), where wandb drops the
-        records of the launch before that came after it, as log.jsonl does."""
         import wandb
         run_id, step = self.state["wandb_run_id"], self.state["step"]
-        # wandb keeps the run's history up to and including the step named, and takes later steps only
+        # A continued run's wandb run goes on from the step before its checkpoint's (resume_from): W&B drops what
+        # the launch before logged from there on, as log.jsonl does.
         go_on = {"resume_from": f"{run_id}?_step={step - 1}"} if run_id and step > 0 else {}
         try:
             wandb.init(project=self.args.wandb_project, name=self.args.run, config=vars(self.args),
@@ -1295,88 +1275,89 @@ class RunLog:
                 f"WANDB_MODE=offline to log locally (wandb sync uploads it later)")
         self.state["wandb_run_id"] = wandb.run.id
         if go_on and wandb.run.offline:
-            print(f"wandb is offline: wandb sync uploads this launch into run {run_id} from step {step} on, where "
-                  f"W&B drops what the launch before logged from that step", flush=True)
+            print(f"wandb is offline: wandb sync uploads this launch into run {run_id} from step {step} on")
 
-    def __call__(self, record, line):
+    def __call__(self, record, line=None):
+        """Log a record; its line is `step N/M | name value | ...` unless given."""
+        if not master_process:
+            return
+        if line is None:
+            fields = [f"{name} {shown(value)}" for name, value in record.items() if name != "step"]
+            line = f"step {record['step']:5d}/{self.args.max_steps} | " + " | ".join(fields)
+        print(line)
+        if self.args.dry_run:
+            return
         record = {**record, "time": round(time.time(), 3)}  # wall-clock seconds since 1970
-        if master_process:
-            print(line, flush=True)
-        if master_process and not self.args.dry_run:
-            try:
-                with open(self.path, "a") as f:
-                    f.write(json.dumps(record) + "\n")
-            except OSError as e:
-                die(f"cannot write {self.path} ({e.strerror}); free space (or move --out_dir), then go on with "
-                    f"--resume from the newest checkpoint: a half-written last line is dropped then")
-            if self.args.wandb_project:
-                import wandb
-                wandb.log(record, step=record["step"])
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:
+            die(f"cannot write {self.path} ({e.strerror}); free space (or move --out_dir), then go on with "
+                f"--resume from the newest checkpoint: a half-written last line is dropped then")
+        if self.args.wandb_project:
+            import wandb
+            wandb.log(record, step=record["step"])
 
     def val(self, step, val_loss, val_bpb, **more):
-        """An eval's record and line; the run's state keeps the val loss and the best of each."""
+        """An eval's record, with the tokens and FLOPs so far; the run's state keeps the val loss and the best of
+        each."""
         self.state["val_loss"] = val_loss
         best = self.state["best"]
-        self.state["best"] = {"val_loss": min(best["val_loss"], val_loss), "val_bpb": min(best["val_bpb"], val_bpb)}
-        line = f"step {step:5d} | val loss {val_loss:.4f} | val bpb {val_bpb:.4f}"
-        so_far = {"tokens": self.state["tokens"], "flops": self.flops_per_token * self.state["tokens"]}
-        self({"step": step, "val_loss": val_loss, "val_bpb": val_bpb, **more, **so_far},
-             line + "".join(f" | {name} {value:,}" for name, value in more.items()))
+        best.update(val_loss=min(best["val_loss"], val_loss), val_bpb=min(best["val_bpb"], val_bpb))
+        tokens = self.state["tokens"]
+        self({"step": step, "val_loss": val_loss, "val_bpb": val_bpb, **more, "tokens": tokens,
+              "flops": self.flops_per_token * tokens})
 
     def step(self, step, metrics, seconds, epoch):
-        """A trained step: its tokens and time go to the run's state; every --log_every steps (and at the last) a
-        line and a record give the means since the last line (loss, gradient norm and any metric train_step
-        adds), the last loss and learning rates, tok/s and MFU over the interval's time, the tokens and training
-        time so far and the data's epoch. A step's time starts where the ranks agree on a stop (stop_if_asked), so
-        a rank there waits for the others' work between steps (rank 0's log, its pruning); the interval's time is
-        the slowest rank's, and so are tok/s (over all ranks) and MFU (over all devices). Memory is rank 0's."""
+        """A trained step: its tokens and time go to the run's state. Every --log_every steps (and at the last) a
+        record gives the means since the last one of the step's metrics (loss, gradient norm, learning rates and
+        any metric train_step adds), the last loss, the interval's step time, tok/s and MFU, the tokens and
+        training time so far, the data's epoch and the time left at this speed. A step's time starts where the
+        ranks agree on a stop (stop_if_asked), so a rank there waits for the others' work between steps (rank 0's
+        log, its pruning): the interval's time is the slowest rank's, and tok/s (over all ranks) and MFU (over all
+        devices) go by it. Memory is rank 0's."""
         self.state["tokens"] += self.args.total_batch_size
         self.state["train_seconds"] += seconds
-        self.interval.append((metrics, seconds))
+        self.interval.append({**metrics, "seconds": seconds})
         if step % self.args.log_every and step != self.args.max_steps - 1:
             return
-        seconds = sum(step_seconds for _, step_seconds in self.interval)
-        if world_size > 1:  # the slowest rank's
-            slowest = torch.tensor(seconds, device=self.device)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            seconds = slowest.item()
-        means = {name: sum(m[name] for m, _ in self.interval) / len(self.interval) for name in metrics}
-        # the learning rates of the step logged, and its loss
-        means.update({name: value for name, value in metrics.items() if name.endswith("lr")}, last_loss=metrics["loss"])
-        step_seconds = seconds / len(self.interval)
-        interval_tokens = self.args.total_batch_size * len(self.interval)
-        tokens = self.state["tokens"]
-        record = {"step": step, **means, "tokens": tokens, "train_seconds": self.state["train_seconds"],
-                  "epoch": epoch, "ms": step_seconds * 1000, "tok_per_s": interval_tokens / seconds,
-                  "peak_mem_gib": peak_memory_gib(self.device),
-                  "eta_s": step_seconds * (self.args.max_steps - 1 - step)}  # at the interval's speed
+        means = {name: sum(m[name] for m in self.interval) / len(self.interval) for name in self.interval[0]}
         self.interval = []
-        line = (f"step {step:5d}/{self.args.max_steps} | loss {means['loss']:.6f} | lr {means['lr']:.4e} | "
-                f"norm {means['grad_norm']:.4f} | ")
-        for name, value in means.items():  # the metrics added in train_step
-            if name not in ("loss", "lr", "grad_norm", "last_loss"):
-                line += f"{name} {value:.4g} | "
-        line += (f"{step_seconds * 1000:.1f} ms | {record['tok_per_s']:,.0f} tok/s | {tokens:,} tokens | epoch {epoch} "
-                 f"| {self.state['train_seconds'] / 60:,.1f} min | mem {record['peak_mem_gib']:.2f} GiB "
-                 f"| eta {record['eta_s'] / 60:,.1f} min")
+        step_seconds = means.pop("seconds")
+        if world_size > 1:  # the slowest rank's
+            slowest = torch.tensor(step_seconds, device=self.device)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            step_seconds = slowest.item()
+        tok_per_s = self.args.total_batch_size / step_seconds
+        record = {"step": step, **means, "last_loss": metrics["loss"], "tokens": self.state["tokens"],
+                  "train_seconds": self.state["train_seconds"], "epoch": epoch, "ms": step_seconds * 1000,
+                  "tok_per_s": round(tok_per_s), "peak_mem_gib": peak_memory_gib(self.device),
+                  "eta_s": round(step_seconds * (self.args.max_steps - 1 - step))}
         if self.peak_flops:
-            record["mfu"] = self.flops_per_token * interval_tokens / seconds / (self.peak_flops * world_size)
-            line += f" | MFU {record['mfu'] * 100:.1f}%"
-        self(record, line)
+            record["mfu"] = self.flops_per_token * tok_per_s / (self.peak_flops * world_size)
+        self(record)
 
     def summary(self, step, **more):
-        """The run's summary at its last step: a line, a record and out_dir/summary.json. An eval that never ran
-        (its best still infinite) is None."""
-        summary = {**{f"best_{name}": value for name, value in self.state["best"].items()}, **more,
-                   "tokens": self.state["tokens"], "train_seconds": self.state["train_seconds"],
-                   "flops": self.flops_per_token * self.state["tokens"], "peak_mem_gib": peak_memory_gib(self.device)}
-        summary = {name: None if value == math.inf else value for name, value in summary.items()}
-        line = " | ".join(f"{name} {value:.6g}" if isinstance(value, float) else f"{name} {value}"
-                          for name, value in summary.items())
-        self({"step": step, "summary": summary}, f"summary: {line}")
+        """The run's summary at its last step: a record and out_dir/summary.json. An eval that never ran (its best
+        still infinite) is None."""
+        best = {f"best_{name}": None if value == math.inf else value for name, value in self.state["best"].items()}
+        tokens = self.state["tokens"]
+        summary = {**best, **more, "tokens": tokens, "train_seconds": self.state["train_seconds"],
+                   "flops": self.flops_per_token * tokens, "peak_mem_gib": peak_memory_gib(self.device)}
+        self({"step": step, "summary": summary},
+             "summary: " + " | ".join(f"{name} {shown(value)}" for name, value in summary.items()))
         if master_process and not self.args.dry_run:
             write_file(os.path.join(self.args.out_dir, "summary.json"),
                        lambda f: f.write(json.dumps(summary, indent=1).encode()), "free space in --out_dir")
+
+
+def shown(value):
+    """A value as its line shows it: a whole number with thousands separators, a float to 6 significant digits."""
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
 
 
 def token_byte_counts(enc, vocab_size, device):
@@ -1388,14 +1369,13 @@ def token_byte_counts(enc, vocab_size, device):
     return torch.tensor(counts, device=device)
 
 
-def run_environment(device):
+def run_environment(device_name):
     """What explains a run besides its flags: versions, the device, the ranks, and the environment variables
     that change how torch, CUDA, NCCL, Hugging Face and wandb behave, never one that holds a secret."""
     prefixes = ("CUDA_", "NCCL_", "TORCH", "PYTORCH_", "OMP_", "HF_", "WANDB_", "SLURM_JOB")
     secret = re.compile("KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL", re.IGNORECASE)
-    variables = {name: value for name, value in sorted(os.environ.items())
+    variables = {name: value for name, value in os.environ.items()
                  if name.startswith(prefixes) and not secret.search(name)}
-    device_name = torch.cuda.get_device_name(device) if device.startswith("cuda") else device
     return {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
             "device": device_name, "world_size": world_size, "host": platform.node(), "variables": variables}
 
@@ -1457,7 +1437,7 @@ class OutputThatCannotFail:
     """sys.stdout and sys.stderr of a run. Under `| tee`, Ctrl-C ends tee too, and the next print would raise
     BrokenPipeError (a full disk: OSError) before the stop save. From the first failed write on, the stream's
     file descriptor points at /dev/null (so Python's flush at exit succeeds too), stderr says so, and the run goes
-    on: its records are in log.jsonl."""
+    on: its records are in log.jsonl. Each write is flushed at once, so that it fails here or never."""
 
     def __init__(self, stream):
         self.stream = stream
@@ -1466,20 +1446,18 @@ class OutputThatCannotFail:
         return getattr(self.stream, name)
 
     def write(self, text):
-        self.guard(self.stream.write, text)
-        return len(text)
-
-    def flush(self):
-        self.guard(self.stream.flush)
-
-    def guard(self, operation, *args):
         try:
-            operation(*args)
+            self.stream.write(text)
+            self.stream.flush()
         except OSError as e:
             os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
             if self is sys.stdout:
                 print(f"stdout failed ({e.strerror}): the run goes on without it, its records in log.jsonl",
-                      file=sys.stderr, flush=True)
+                      file=sys.stderr)
+        return len(text)
+
+    def flush(self):
+        """Nothing is left to flush: write flushes."""
 
 
 def handle_stop_signals():
@@ -1506,7 +1484,7 @@ def stop_if_asked(device):
         raise StopRun
 
 
-def sync_ranks(device, metrics):
+def sync_ranks(metrics):
     """The mean over the ranks of each metric (a dict of device scalars): one all-reduce of one tensor."""
     values = torch.stack(list(metrics.values())).float()
     if world_size > 1:

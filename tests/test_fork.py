@@ -80,8 +80,8 @@ def test_forked_model_trains_resumes_exactly_samples_and_midtrains(fork, base_ck
     flags = [*TINY, "--data_dir", "data", "--max_steps", 6, "--save_every", 3, "--eval_every", 3]
     proc = run_in(fork, "train_gpt2.py", *flags, "--out_dir", "straight")
     assert proc.returncode == 0, proc.stderr
-    # the added metrics after the norm, in the order the guide's edits add them (the penalty's first)
-    assert re.search(r"step +5/6 \| loss [\d.]+ \| lr [\d.e-]+ \| norm [\d.]+ \| (\w+ [\d.]+ \| )*max_logit [\d.]+ \|",
+    # the added metrics before the loss, in the order the guide's edits add them (the penalty's first)
+    assert re.search(r"step +5/6 \| penalty [\d.e-]+ \| max_logit [\d.]+ \| loss [\d.]+ \| grad_norm [\d.]+ \| lr ",
                      proc.stdout)
     records = [r for r in read_log(fork / "straight") if "loss" in r]
     assert len(records) == 6 and all(0 < r["max_logit"] <= 30 for r in records)  # the metric, under the softcap

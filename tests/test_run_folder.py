@@ -88,7 +88,7 @@ def test_interval_means_equal_the_means_of_the_steps_on_one_and_two_processes(sh
     run("train_gpt2.py", *flags, "--out_dir", tmp_path / "every", check=True)
     each = {r["step"]: r for r in read_log(tmp_path / "every") if "loss" in r}
     third = run("train_gpt2.py", *flags, "--out_dir", tmp_path / "third", "--log_every", 3, check=True)
-    assert "step     3/7 | loss" in third.stdout and " | eta " in third.stdout
+    assert "step     3/7 | loss" in third.stdout and " | eta_s " in third.stdout
     torchrun("train_gpt2.py", *flags, "--out_dir", tmp_path / "ddp", "--log_every", 3)
     for name, tolerance in (("third", 1e-6), ("ddp", 1e-4)):
         records = [r for r in read_log(tmp_path / name) if "loss" in r]
