@@ -52,19 +52,19 @@ def test_rendering_round_trips_and_masks_only_the_assistant():
 
 def test_packing_invariants():
     enc = mid_train.get_chat_tokenizer()
-    items = [mid_train.render_conversation(enc, c) for c in conversations(200)]
-    items.append(mid_train.render_conversation(enc, [{"role": "user", "content": "word " * 200},
-                                                     {"role": "assistant", "content": "ok"}]))
+    items = [mid_train.render(enc, c) for c in conversations(200)]
+    items.append(mid_train.render(enc, [{"role": "user", "content": "word " * 200},
+                                        {"role": "assistant", "content": "ok"}]))
     capacity = 65
-    rows, cropped = mid_train.pack_rows(items, capacity)
-    assert cropped == 1
-    used = sorted(i for row in rows for i in row)
-    assert used == list(range(len(items)))  # every conversation exactly once
-    assert all(sum(len(items[i][0]) for i in row) <= capacity for row in rows if len(row) > 1)
-    tokens, mask = mid_train.rows_to_arrays(rows, items, capacity)
+    items = [(ids[:capacity], mask[:capacity]) for ids, mask in items]  # build_data crops them
+    tokens, mask = mid_train.pack_rows(items, capacity, random.Random(0))
+    assert tokens.shape[1] == capacity
     bos = enc.encode_single_token("<|bos|>")
     assert (tokens[:, 0] == bos).all()  # every row starts at a conversation start
-    fills = [sum(len(items[i][0]) for i in row) for row in rows]
+    assert (tokens == bos).sum() == len(items)  # every conversation exactly once
+    assert (tokens != mid_train.EOT_TOKEN).sum() == sum(len(ids) for ids, _ in items)
+    assert mask.sum() == sum(m.sum() for _, m in items)
+    fills = (tokens != mid_train.EOT_TOKEN).sum(1)  # the rest of a row is padding
     assert sum(fill <= capacity // 2 for fill in fills) <= 1  # best fit: at most one row is half empty or less
 
 
@@ -84,11 +84,11 @@ def test_each_epoch_is_packed_on_its_own_into_compact_arrays(tmp_path):
                                "--data", f"chat:{tmp_path / 'a.jsonl'}:2",
                                "--val_fraction", "0.1"])
     enc = mid_train.get_chat_tokenizer()
-    tokens, mask, count, cropped = mid_train.build_data(args, enc, 65)["train"]
+    tokens, mask, count = mid_train.build_data(args, enc, 65)["train"]
     rows = [re.findall(r"about number (\d+)\.", enc.decode(row.tolist())) for row in tokens]
     assert all(len(set(row)) == len(row) for row in rows)  # no row holds two copies of one conversation
     uses = Counter(i for row in rows for i in row)
-    assert len(uses) == 90 and set(uses.values()) == {2} and count == 180 and cropped == 0
+    assert len(uses) == 90 and set(uses.values()) == {2} and count == 180
     assert tokens.dtype == np.uint16 and mask.dtype == bool  # 3 bytes a token, not Python lists
     assert tokens.nbytes + mask.nbytes == 3 * tokens.size
 
@@ -130,7 +130,7 @@ def test_fsdp_with_fewer_val_rows_than_ranks_times_batch_matches_ddp_and_the_ref
     args = mid_train.get_args(list(map(str, [*flags, "--out_dir", tmp_path / "run"])))
     splits = mid_train.build_data(args, mid_train.get_chat_tokenizer(), 65)
     model = mid_train.model_from_checkpoint(mid_train.load_checkpoint(base_ckpt)[0])
-    for (tokens, mask, _, _), logged in ((splits["train"], a[0]), (splits["val"], val_a[0])):
+    for (tokens, mask, _), logged in ((splits["train"], a[0]), (splits["val"], val_a[0])):
         tokens, mask = torch.from_numpy(tokens[:8]).long(), torch.from_numpy(mask[:8])
         with torch.no_grad():
             logits = model(tokens[:, :-1])
@@ -192,7 +192,7 @@ def test_bad_data_names_file_and_line(case, base_ckpt, tmp_path):
     proc = run("mid_train.py", *MID, "--init_ckpt", base_ckpt, "--data", f"chat:{path}", "--out_dir", tmp_path / "o")
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and f"{path}:3" in lines[0], proc.stderr
-    assert {"malformed": "not valid JSON", "unknown_role": "unknown role 'robot'", "empty": "empty"}[case] in lines[0]
+    assert {"malformed": "not valid JSON", "unknown_role": "roles [robot]", "empty": "roles []"}[case] in lines[0]
 
 
 GSM8K_ROW = {"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in "
@@ -203,9 +203,9 @@ GSM8K_ROW = {"question": "Natalia sold clips to 48 of her friends in April, and 
 
 def test_gsm8k_calculator_calls_render_as_tool_calls_with_the_tools_output_masked(tmp_path):
     (tmp_path / "gsm8k.jsonl").write_text(json.dumps(GSM8K_ROW) + "\n")
-    [conversation] = mid_train.load_source("gsm8k", str(tmp_path / "gsm8k.jsonl"))
     enc = mid_train.get_chat_tokenizer()
-    ids, mask = mid_train.render_conversation(enc, conversation)
+    [(ids, mask)] = mid_train.load_source(enc, "gsm8k", str(tmp_path / "gsm8k.jsonl"))
+    ids = ids.tolist()
     call = "<|python_start|>{}<|python_end|><|output_start|>{}<|output_end|>"
     reply = (f"Natalia sold 48/2 = {call.format('48/2', 24)}24 clips in May.\nNatalia sold 48+24 = "
              f"{call.format('48+24', 72)}72 clips altogether in April and May.\n#### 72")
@@ -217,7 +217,7 @@ def test_gsm8k_calculator_calls_render_as_tool_calls_with_the_tools_output_maske
     outputs = [t for t, m in zip(ids, mask) if not m and t >= enc.encode_single_token("<|output_start|>")]
     assert enc.decode(outputs) == "<|output_start|><|output_end|>" * 2
     assert ids[:ids.index(enc.encode_single_token("<|assistant_start|>")) + 1] == mid_train.render_for_reply(
-        enc, conversation[:1])  # the question renders as any user message
+        enc, [{"role": "user", "content": GSM8K_ROW["question"]}])  # the question renders as any user message
 
 
 def write_words(path):
