@@ -111,13 +111,9 @@ def get_args(argv=None):
                         "lists), gsm8k (.jsonl question/answer, with its calculator calls) or mmlu (.csv or "
                         "folder of them); or simplespelling or spellingbee from a word list, a word a line, "
                         "with ROWS for EPOCHS; PATH `hub` loads it by name, a URL is downloaded once")
-    p.add_argument("--val_data", nargs="*", default=[],
-                   help="test splits for val, KIND:PATH[:ROWS] (at most ROWS, nanochat's by default: "
-                        f"{ {kind: task['val_rows'] for kind, task in TASKS.items()} }); a hub source's val is "
-                        f"its test split on the hub")
     p.add_argument("--val_fraction", type=ranged(float, 0, 1, low_open=True, high_open=True), default=0.02,
-                   help="share held out for val of each source whose kind has no test split (0 would leave "
-                        "no val split, 1 no train data)")
+                   help="share held out for val of each source read from files (0 would leave no val split, 1 no "
+                        "train data); a hub source's val is its test split on the hub")
     p.add_argument("--seq_len", type=positive_int,
                    help="tokens per training sequence (default: the model's context length)")
     p.add_argument("--micro_batch_size", type=positive_int, default=16,
@@ -156,19 +152,19 @@ def get_args(argv=None):
                                     if not (key == "init_ckpt" and args.init_from)})
     # An out_dir holding checkpoints continues its run. Where it started and its data stay as they were: the
     # train rows a step reads follow from its number.
-    continue_run(args, argv, fixed=("init_ckpt", "init_from", "optimizer", "seed", "val_fraction", "data",
-                                    "val_data", "seq_len"), kind="mid")
+    continue_run(args, argv, fixed=("init_ckpt", "init_from", "optimizer", "seed", "val_fraction", "data", "seq_len"),
+                 kind="mid")
     if not args.resume_checkpoint and (args.init_ckpt is None) == (args.init_from is None):
         die("start from a base checkpoint with --init_ckpt, or from OpenAI's weights with --init_from gpt2")
     if args.demo and args.data == DEMO_PRESET["data"] and not os.path.exists("data/demo/chat.jsonl"):
         die("--demo trains on data/demo/chat.jsonl, which is missing: run python prepare_fineweb.py --demo first")
     if args.demo and args.init_ckpt and not args.resume_checkpoint and not os.path.exists(args.init_ckpt):
         die(f"--demo starts from {args.init_ckpt}, which is missing: run python train_gpt2.py --demo first")
-    # --val_fraction holds out a share of each source whose kind has no test split
-    tested = {kind for kind, _, _ in test_splits(args)}
-    every_kind_tested = all(kind in tested or "generate" in TASKS[kind] for kind, _, _ in map(parse_source, args.data))
+    # --val_fraction holds out a share of each source read from files
+    sources = [parse_source(spec) for spec in args.data]
+    from_files = any(path != "hub" and "generate" not in TASKS[kind] for kind, path, _ in sources)
     refuse_ignored(argv, {"--optimizer adamw": (args.optimizer == "adamw", MUON_FLAGS),
-                           "a test split for every --data kind": (every_kind_tested, ["val_fraction"]),
+                           "no --data source read from files": (not from_files, ["val_fraction"]),
                            "--eval_every 0": (args.eval_every == 0, ["eval_tokens", "num_samples", "sample_len",
                                                                      "prompt"]),
                            "--num_samples 0": (args.num_samples == 0, ["sample_len", "prompt"])})
@@ -360,27 +356,15 @@ def render_for_reply(enc, messages):
 # data: sources -> conversations -> rendered, packed rows
 
 
-def parse_source(spec, flag="--data"):
-    """KIND:PATH[:N], a source of --data (N: its epochs, or a spelling task's rows) or of --val_data (N: the
-    most rows it gives)."""
+def parse_source(spec):
+    """KIND:PATH[:N], a source of --data (N: its epochs, or a spelling task's rows)."""
     match = re.fullmatch(r"(\w+):(.+?)(?::(-?\d+))?", spec)
     if not match or match[1] not in TASKS:
-        die(f"{flag} {spec}: expected KIND:PATH[:N] with KIND one of {', '.join(TASKS)}")
+        die(f"--data {spec}: expected KIND:PATH[:N] with KIND one of {', '.join(TASKS)}")
     kind, path, count = match.groups()
     if count is not None and int(count) < 1:
-        die(f"{flag} {spec}: N (epochs or rows) must be 1 or more")
+        die(f"--data {spec}: N (epochs or rows) must be 1 or more")
     return kind, path, count and int(count)
-
-
-def test_splits(args):
-    """The sources of val: the test splits of --val_data, and the hub's of each kind --data reads from the hub
-    that --val_data gives none of."""
-    splits = [parse_source(spec, "--val_data") for spec in args.val_data]
-    given = {kind for kind, _, _ in splits}
-    for kind, path, _ in map(parse_source, args.data):
-        if path == "hub" and "hub" in TASKS[kind] and kind not in given:
-            splits.append((kind, "hub", None))
-    return splits
 
 
 # A conversation's roles, in order: an optional system message, then user and assistant taking turns, user first
@@ -444,8 +428,7 @@ def load_source(enc, kind, path, split="train"):
         path = local_path(path)
         files = sorted(glob.glob(os.path.join(glob.escape(path), "*.jsonl"))) if os.path.isdir(path) else [path]
         if not files or not all(map(os.path.isfile, files)):
-            flag = "--val_data" if split == "test" else "--data"
-            die(f"{flag} {kind}:{path}: no such file or folder of .jsonl files")
+            die(f"--data {kind}:{path}: no such file or folder of .jsonl files")
         rows = itertools.chain.from_iterable(map(read_jsonl, files))
     conversations = []
     for row, where in rows:
@@ -550,19 +533,19 @@ def count_letter(word, rng):
     return question_and_answer(question, calculator_parts(answer))
 
 
-# The task kinds of --data and --val_data, each declared here once. A kind is read from the hub or .jsonl files,
+# The task kinds of --data, each declared here once. A kind is read from the hub or .jsonl files,
 # its function making a row a conversation (conversation: row; a row it fails on, by a LookupError, TypeError or
 # ValueError, is an error naming where the row is), or generated from a word list, its function making a word
 # one (generate: word, rng), `rows` of them unless --data says. hub: what `KIND:hub` loads through `datasets`,
-# (name, the config of its train split, that of its test split, which is its val). val_rows: the most rows a test
-# split gives val, nanochat's, which keep its val near 5.2% of each train source, as are SmolTalk's 24K test rows
-# (MMLU's has 14K, GSM8K's 1.3K); None: all.
+# (name, the config of its train split, that of its test split, which is its val). val_rows: the most rows its
+# test split gives val, nanochat's, which keep its val near 5.2% of each train source, as are SmolTalk's 24K test
+# rows (MMLU's has 14K, GSM8K's 1.3K); None: all.
 TASKS = {
     "chat": dict(conversation=chat_conversation, val_rows=None, hub=("HuggingFaceTB/smol-smoltalk", None, None)),
     "mmlu": dict(conversation=mmlu_conversation, val_rows=5200, hub=("cais/mmlu", "auxiliary_train", "all")),
     "gsm8k": dict(conversation=gsm8k_conversation, val_rows=420, hub=("openai/gsm8k", "main", "main")),
-    "simplespelling": dict(generate=spell_word, rows=200_000, val_rows=10_400),
-    "spellingbee": dict(generate=count_letter, rows=80_000, val_rows=4160),
+    "simplespelling": dict(generate=spell_word, rows=200_000),
+    "spellingbee": dict(generate=count_letter, rows=80_000),
 }
 
 
@@ -596,14 +579,15 @@ def pack_rows(conversations, capacity, rng):
 
 
 def build_data(args, enc, capacity):
-    """Train and val rows, and a line on each source. Val is the test splits (test_splits); a source whose kind
-    has none gives its first val_fraction (after a seeded shuffle). A conversation longer than a row is cropped,
-    and one left with no text for the assistant to learn (none written, or cropped off) is left out, with a line.
-    Each train epoch is packed on its own, so no row holds two copies of a conversation; epoch e holds the
-    sources with more than e epochs. Returns each split's tokens, loss mask and conversations (with epochs)."""
+    """Train and val rows, and a line on each source. A hub source's val is its test split on the hub; a source
+    read from files gives its first val_fraction (after a seeded shuffle); a generated one gives none. A
+    conversation longer than a row is cropped, and one left with no text for the assistant to learn (none
+    written, or cropped off) is left out, with a line. Each train epoch is packed on its own, so no row holds two
+    copies of a conversation; epoch e holds the sources with more than e epochs. Returns each split's tokens,
+    loss mask and conversations (with epochs)."""
 
     def conversations_of(kind, path, count, split):
-        if "generate" in TASKS[kind]:  # the test split from another seed
+        if "generate" in TASKS[kind]:
             generated = spelling_conversations(kind, path, count or TASKS[kind]["rows"], f"{split} {args.seed}")
             conversations = [render(enc, messages) for messages in generated]
         else:
@@ -618,23 +602,18 @@ def build_data(args, enc, capacity):
                    f"{len(conversations) - len(kept):,} left out with no text to learn")
         return kept
 
-    val, train_epochs, test_kinds = [], {}, set()  # train_epochs: epoch -> its conversations
-    for kind, path, count in test_splits(args):
-        rows = count or TASKS[kind]["val_rows"]
-        conversations = conversations_of(kind, path, rows, "test")[:rows]
-        val += conversations
-        test_kinds.add(kind)
-        print0(f"val: {kind}:{path} test split, {len(conversations):,} conversations")
+    val, train_epochs = [], {}  # train_epochs: epoch -> its conversations
     for kind, path, count in map(parse_source, args.data):
-        conversations = conversations_of(kind, path, count, "train")
-        # A kind without a test split holds out a share of each source (but a source of one conversation, and
-        # a generated one: its test split is generated apart, from another seed).
-        n_val = 0
         generated = "generate" in TASKS[kind]
-        if kind not in test_kinds and not generated and len(conversations) > 1:
+        conversations = conversations_of(kind, path, count, "train")
+        n_val = 0
+        if path == "hub" and not generated:  # at most val_rows of the test split
+            test_split = conversations_of(kind, path, count, "test")[:TASKS[kind]["val_rows"]]
+            val += test_split
+            print0(f"val: {kind}:hub test split, {len(test_split):,} conversations")
+        elif not generated and len(conversations) > 1:  # (a source of one conversation holds none out)
             n_val = math.ceil(len(conversations) * args.val_fraction)
-            print0(f"val: {kind}:{path} held out, {n_val:,} conversations (--val_fraction "
-                   f"{args.val_fraction:g}: no test split of {kind} in --val_data)")
+            print0(f"val: {kind}:{path} held out, {n_val:,} conversations (--val_fraction {args.val_fraction:g})")
         val += conversations[:n_val]
         epochs = 1 if generated else count or 1
         for epoch in range(epochs):

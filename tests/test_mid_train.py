@@ -254,19 +254,20 @@ def test_spelling_tasks_are_nanochats_rows_generated_from_a_word_list_the_same_f
     assert splits["train"][2] == 18 + 30 + 12 and splits["val"][2] == 2
 
 
-def test_val_is_the_test_splits_and_only_a_kind_without_one_holds_out(tmp_path, capsys):
+def test_val_is_a_share_held_out_of_each_source_read_from_files(tmp_path, capsys):
     write_chat(tmp_path / "chat.jsonl", conversations(40))
-    rows = [dict(GSM8K_ROW, question=f"{GSM8K_ROW['question']} ({i})") for i in range(30)]
-    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:20]))
-    (tmp_path / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[20:]))
+    rows = [dict(GSM8K_ROW, question=f"{GSM8K_ROW['question']} ({i})") for i in range(20)]
+    (tmp_path / "gsm8k.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_words(tmp_path / "words.txt")
     args = mid_train.get_args(["--init_from", "gpt2", "--out_dir", str(tmp_path / "run"),
-                               "--data", f"chat:{tmp_path / 'chat.jsonl'}:2",
-                               f"gsm8k:{tmp_path / 'train.jsonl'}", "--val_data", f"gsm8k:{tmp_path / 'test.jsonl'}:4",
-                               "--val_fraction", "0.1"])
-    splits = mid_train.build_data(args, mid_train.get_chat_tokenizer(), 1025)
-    # train: all 20 GSM8K rows, and 36 chats twice; val: 4 of GSM8K's test rows, and the 4 chats held out
-    assert splits["train"][2] == 20 + 36 * 2 and splits["val"][2] == 4 + 4
-    val_text = mid_train.get_chat_tokenizer().decode(splits["val"][0].flatten().tolist())
-    assert len(set(re.findall(r"May\? \((\d+)\)", val_text)) - {str(i) for i in range(20, 30)}) == 0
+                               "--data", f"chat:{tmp_path / 'chat.jsonl'}:2", f"gsm8k:{tmp_path / 'gsm8k.jsonl'}",
+                               f"spellingbee:{tmp_path / 'words.txt'}:12", "--val_fraction", "0.1"])
+    enc = mid_train.get_chat_tokenizer()
+    splits = mid_train.build_data(args, enc, 1025)
+    # train: 36 chats twice, 18 GSM8K rows and 12 generated ones; val: 4 chats and 2 GSM8K rows, none generated
+    assert splits["train"][2] == 36 * 2 + 18 + 12 and splits["val"][2] == 4 + 2
+    train_text, val_text = (enc.decode(splits[name][0].flatten().tolist()) for name in ("train", "val"))
+    val_questions = set(re.findall(r"May\? \((\d+)\)", val_text))
+    assert len(val_questions) == 2 and not val_questions & set(re.findall(r"May\? \((\d+)\)", train_text))
     held_out = [line for line in capsys.readouterr().out.splitlines() if "held out" in line]  # said in a line
-    assert len(held_out) == 1 and "chat.jsonl held out, 4 conversations" in held_out[0], held_out
+    assert len(held_out) == 2 and "chat.jsonl held out, 4 conversations" in held_out[0], held_out
