@@ -10,23 +10,21 @@ midtraining does). The same loop as pretraining, different data.
 
 What differs from train_gpt2.py, which this file follows block for block:
 - get_args: the start is a base checkpoint of ours (--init_ckpt) or OpenAI's weights (--init_from), and
-  --data names the sources, KIND:PATH[:EPOCHS]; new are --val_data, --val_fraction, --train_on and
-  --warmdown_frac;
+  --data names the sources, KIND:PATH[:EPOCHS]; new are --val_fraction and --warmdown_frac;
   --seq_len defaults to the model's context, --total_batch_size to one micro-batch a rank and --max_steps to
   one pass over the data; other defaults are lower (lr 2e-4, no weight decay, Muon at 0.005 with 50 warm-up
-  steps). There is no --model, --data_dir, --val_tokens or HellaSwag; --resume also keeps --seed and
-  --val_fraction.
+  steps). There is no --model, --data_dir, --val_tokens or HellaSwag; --resume also keeps --seed,
+  --val_fraction, --data and --seq_len.
 - The chat format (the "chat" block: get_chat_tokenizer, render_conversation, render_for_reply), with the
-  calculator's calls and outputs, and the data: build_data reads each source and test split (parse_source,
-  load_source with calculator_parts for GSM8K, check_conversation; spelling_conversations generates the
-  spelling tasks), renders each conversation and packs them into rows (pack_rows, rows_to_arrays); RowLoader
-  reads the rows, with -1 targets where nothing is learned.
+  calculator's calls and outputs, and the data: build_data reads each source and a hub source's test split
+  (parse_source, load_source with render, calculator_parts for GSM8K; spelling_conversations generates the
+  spelling tasks), crops each rendered conversation to a row, leaves out those with nothing to learn, and packs
+  them into rows (pack_rows); row_batches reads the rows, with -1 targets where nothing is learned.
 - lr_multiplier: flat, then a linear decay to 0 (no warm-up: the weights are trained already).
-- main(): the model comes from --init_ckpt or --init_from; each step's loss is averaged over the targets it
-  learns, which the loader counts first (RowLoader.step_tokens); the val rows are padded to whole
+- main(): the model comes from --init_ckpt or --init_from; the rows a step reads follow from its number, and
+  its loss is averaged over the targets they hold, counted first; the val rows are padded to whole
   micro-batches, and the val loss is a sum over a count; the samples are replies to a chat prompt, cut at
-  their end token, also at the first step; the checkpoint also holds kind "mid", the chat tokens and the
-  number of train rows (a resume checks it).
+  their end token, also at the first step; the checkpoint also holds kind "mid" and the chat tokens.
 The code after main() is train_gpt2.py's, in the same shared blocks, but for HellaSwag (tests/sync_shared.py
 keeps them equal).
 """
@@ -108,9 +106,10 @@ def get_args(argv=None):
                    help="start from OpenAI's weights (needs transformers)")
     p.add_argument("--data", nargs="+", default=DEFAULT_DATA,
                    help="sources KIND:PATH[:EPOCHS]; KIND chat (.jsonl of {messages} or bare message "
-                        "lists), gsm8k (.jsonl question/answer, with its calculator calls) or mmlu (.csv or "
-                        "folder of them); or simplespelling or spellingbee from a word list, a word a line, "
-                        "with ROWS for EPOCHS; PATH `hub` loads it by name, a URL is downloaded once")
+                        "lists), gsm8k (.jsonl question/answer, with its calculator calls) or mmlu (.jsonl "
+                        "question/choices/answer), PATH a file or a folder of them; or simplespelling or "
+                        "spellingbee from a word list, a word a line, with ROWS for EPOCHS; PATH `hub` loads it by "
+                        "name, a URL is downloaded once")
     p.add_argument("--val_fraction", type=ranged(float, 0, 1, low_open=True, high_open=True), default=0.02,
                    help="share held out for val of each source read from files (0 would leave no val split, 1 no "
                         "train data); a hub source's val is its test split on the hub")
@@ -130,8 +129,6 @@ def get_args(argv=None):
     p.add_argument("--seed", type=seed_int, default=1337, help="random seed (data order, val split)")
     p.add_argument("--eval_every", type=nonneg_int, default=100,
                    help="val loss and samples every N steps (and at the end; 0: never)")
-    p.add_argument("--eval_tokens", type=nonneg_int, default=0,
-                   help="val tokens each eval reads, from the start of the val split (0: all of it)")
     p.add_argument("--num_samples", type=nonneg_int, default=1,
                    help="samples printed at each eval (0: none)")
     p.add_argument("--sample_len", type=positive_int, default=64,
@@ -165,7 +162,7 @@ def get_args(argv=None):
     from_files = any(path != "hub" and "generate" not in TASKS[kind] for kind, path, _ in sources)
     refuse_ignored(argv, {"--optimizer adamw": (args.optimizer == "adamw", MUON_FLAGS),
                            "no --data source read from files": (not from_files, ["val_fraction"]),
-                           "--eval_every 0": (args.eval_every == 0, ["eval_tokens", "num_samples", "sample_len",
+                           "--eval_every 0": (args.eval_every == 0, ["num_samples", "sample_len",
                                                                      "prompt"]),
                            "--num_samples 0": (args.num_samples == 0, ["sample_len", "prompt"])})
     return args
@@ -462,15 +459,13 @@ def gsm8k_conversation(row):
 
 def calculator_parts(answer):
     """A GSM8K answer as nanochat's parts: each calculator annotation, <<48/2=24>>, a call (48/2) and the
-    tool's output (24); the text around them is kept whole ("... = 24 ... #### 72")."""
-    parts = []
-    for i, piece in enumerate(re.split(r"<<([^>]*)>>", answer)):
-        if i % 2 == 0:
-            parts.append({"type": "text", "text": piece})
-        else:
-            call, _, output = piece.rpartition("=") if "=" in piece else (piece, "", "")
-            parts += [{"type": "python", "text": call}, {"type": "python_output", "text": output}]
-    return parts
+    tool's output (24: what follows its last =, if any); the text around them is kept whole ("... = 24 ...
+    #### 72")."""
+    # split where the annotations are, keeping the groups: the text, then for each annotation its call, its
+    # output (None without an =) and the text after it
+    pieces = re.split(r"<<([^>]*?)(?:=([^>=]*))?>>", answer)
+    part_types = itertools.cycle(["text", "python", "python_output"])
+    return [{"type": part_type, "text": piece or ""} for part_type, piece in zip(part_types, pieces)]
 
 
 # SpellingBee's questions, in several phrasings and languages, as a user might ask
@@ -494,10 +489,10 @@ def spelling_conversations(kind, path, rows, seed):
     try:
         with open(path, encoding="utf-8") as f:
             words = [word for word in f.read().lower().split() if re.fullmatch("[a-z]+", word)]
-    except (OSError, UnicodeDecodeError) as e:
-        die(f"--data {kind}:{path}: cannot read a word list ({e}); give a UTF-8 text file, a word a line")
-    if not words:
-        die(f"--data {kind}:{path} holds no word of letters a-z; give a text file of words, one a line")
+        if not words:
+            raise ValueError("no word of letters a-z in it")
+    except (OSError, ValueError) as e:  # no such file, not UTF-8, no word
+        die(f"--data {kind}:{path}: not a word list ({e}); give a UTF-8 text file of words, one a line")
     rng = random.Random(f"{kind} {seed}")
     return [TASKS[kind]["generate"](rng.choice(words), rng) for _ in range(rows)]
 
@@ -515,7 +510,7 @@ def count_letter(word, rng):
     letter = rng.choice(word) if rng.random() < 0.9 else rng.choice(string.ascii_lowercase)
     question = rng.choice(LETTER_COUNT_QUESTIONS)
     question = question.lower() if rng.random() < 0.3 else question
-    quote_letter, quote_word = rng.choice(["", "'", '"']), rng.choice(["", "'", '"'])
+    quote_letter, quote_word = (rng.choice(["", "'", '"']) for _ in range(2))
     question = question.format(letter=f"{quote_letter}{letter}{quote_letter}",
                                word=f"{quote_word}{word}{quote_word}")
     question += "?" if rng.random() < 0.5 else ""
@@ -611,7 +606,7 @@ def build_data(args, enc, capacity):
             test_split = conversations_of(kind, path, count, "test")[:TASKS[kind]["val_rows"]]
             val += test_split
             print0(f"val: {kind}:hub test split, {len(test_split):,} conversations")
-        elif not generated and len(conversations) > 1:  # (a source of one conversation holds none out)
+        elif not generated:
             n_val = math.ceil(len(conversations) * args.val_fraction)
             print0(f"val: {kind}:{path} held out, {n_val:,} conversations (--val_fraction {args.val_fraction:g})")
         val += conversations[:n_val]
@@ -628,16 +623,11 @@ def build_data(args, enc, capacity):
     return splits
 
 
-def row_batches(tokens, mask, B, first, device):
+def row_batches(tokens, mask, B, first_row, device):
     """This rank's (B, T) inputs and targets (-1 where nothing is learned) on the device, micro-batch after
-    micro-batch from micro-batch number `first` on: each rank reads its B rows of every B * world_size, from the
-    first row again (another pass) when too few are left. A batch follows from its number alone: a continued run
-    reads on from its step's."""
+    micro-batch from row first_row on: each rank reads its B rows of every B * world_size."""
     tokens, mask = torch.from_numpy(tokens), torch.from_numpy(mask)  # uint16: widened a batch at a time
-    micro_step_rows = B * world_size  # the rows of a micro-batch on every rank
-    batches_per_pass = len(tokens) // micro_step_rows
-    for batch in itertools.count(first):
-        start = (batch % batches_per_pass) * micro_step_rows + B * rank  # this rank's rows of the micro-batch
+    for start in itertools.count(first_row + B * rank, B * world_size):
         rows = slice(start, start + B)
         x = tokens[rows, :-1].long()
         y = tokens[rows, 1:].long().masked_fill(~mask[rows, 1:], -1)
@@ -717,9 +707,6 @@ def main(argv=None):
     else:
         raw_model = gpt_from_pretrained(args.init_from)
     enc = get_chat_tokenizer()
-    if enc.n_vocab > raw_model.config.vocab_size:
-        die(f"the model's vocab of {raw_model.config.vocab_size} has no room for the chat tokens (needs "
-            f"{enc.n_vocab})")
     B = args.micro_batch_size
     T = args.seq_len or raw_model.config.block_size
     if T > raw_model.config.block_size:
@@ -740,24 +727,21 @@ def main(argv=None):
     splits = build_data(args, enc, T + 1)
     train_tokens, train_mask, n_train = splits["train"]
     val_tokens, val_mask, n_val = splits["val"]
-    batches_per_pass = len(train_tokens) // micro_step_rows  # micro-batches of all ranks in a pass over the rows
-    if batches_per_pass == 0 or len(val_tokens) == 0:
+    # A step reads step_rows rows, over all ranks, and a pass over the train rows whole steps: the rows a step
+    # reads follow from its number.
+    step_rows = grad_accum_steps * micro_step_rows
+    steps_per_pass = len(train_tokens) // step_rows
+    if steps_per_pass == 0 or len(val_tokens) == 0:
         die(f"{len(train_tokens)} train rows and {len(val_tokens)} val rows of conversations with text to learn "
-            f"({n_train} and {n_val}; --val_fraction {args.val_fraction} held out), and train needs a micro-batch "
-            f"over all ranks ({micro_step_rows} rows); give more conversations with replies, or lower "
-            f"--micro_batch_size or --val_fraction")
-    val_rows = len(val_tokens)
-    if args.eval_tokens:  # each eval reads the first rows of the val split, at least one
-        val_rows = min(val_rows, max(1, args.eval_tokens // T))
+            f"({n_train} and {n_val}; --val_fraction {args.val_fraction} held out), and a step reads {step_rows}; "
+            f"give more conversations with replies, or lower --total_batch_size, --micro_batch_size or "
+            f"--val_fraction")
     # Every rank must run as many val batches as the others (the stop check, the all-reduce and FSDP's
     # forwards are collectives): the val rows read are padded to whole micro-batches on every rank, with rows
     # that have no target (they add nothing to the loss or its count).
-    padding = [(0, -val_rows % micro_step_rows), (0, 0)]
-    eval_tokens, eval_mask = np.pad(val_tokens[:val_rows], padding), np.pad(val_mask[:val_rows], padding)
-    if not args.max_steps:  # one pass over the train rows
-        args.max_steps = max(1, batches_per_pass // grad_accum_steps)
-    # the targets (tokens learned) in each micro-batch of all ranks: a step's loss is the mean over its targets
-    batch_targets = train_mask[:batches_per_pass * micro_step_rows, 1:].reshape(batches_per_pass, -1).sum(1)
+    padding = [(0, -len(val_tokens) % micro_step_rows), (0, 0)]
+    eval_tokens, eval_mask = (np.pad(array, padding) for array in (val_tokens, val_mask))
+    args.max_steps = args.max_steps or steps_per_pass  # by default one pass over the train rows
 
     # ---- the training setup
     # raw_model is what is saved, sampled and scored; model is what trains and evaluates (DDP-wrapped,
@@ -778,7 +762,7 @@ def main(argv=None):
     log = RunLog(args, state, flops_per_token(raw_model, T), device)
     print0(setup_line(raw_model, args, device, dtype))
     print0(f"{n_train:,} train conversations (with epochs) in {len(train_tokens):,} rows of {T + 1} tokens; "
-           f"{n_val:,} val conversations in {len(val_tokens):,} rows, of which each eval reads {val_rows:,}")
+           f"{n_val:,} val conversations in {len(val_tokens):,} rows")
 
     def save():
         save_checkpoint(raw_model, optimizers, scaler, args, state, kind="mid")
@@ -829,18 +813,17 @@ def main(argv=None):
             t0 = time.perf_counter()
             stop_if_asked(device)  # every rank waits here for the slowest: the step's time counts that wait
             learning_rates = set_schedule(optimizers, lr_multiplier(step, args), step, args)
-            first_batch = step * grad_accum_steps  # the step's micro-batches follow from its number
-            epoch = first_batch // batches_per_pass
-            step_batches = range(first_batch, first_batch + grad_accum_steps)
-            step_tokens = int(np.take(batch_targets, step_batches, mode="wrap").sum())  # the targets it learns
-            train_batches = row_batches(train_tokens, train_mask, B, first_batch, device)
+            first_row = (step % steps_per_pass) * step_rows
+            step_tokens = int(train_mask[first_row: first_row + step_rows, 1:].sum())  # the targets it learns
+            train_batches = row_batches(train_tokens, train_mask, B, first_row, device)
             metrics = train_step(model, optimizers, scaler, lambda: next(train_batches), grad_accum_steps,
                                  step_tokens, args.grad_clip, autocast_ctx)
             metrics = sync_ranks(device, metrics)  # the step's one host sync: the means over the ranks
             seconds = time.perf_counter() - t0
             # the step's loss judges the weights it started from: a checkpoint of them is kept, or it diverged
             judge_checkpoint(args, step, metrics, scaler, saved)
-            log.step(step, {**metrics, **learning_rates}, seconds, epoch)  # a line every --log_every steps
+            # a line every --log_every steps, with the pass over the train rows (epoch)
+            log.step(step, {**metrics, **learning_rates}, seconds, step // steps_per_pass)
     except StopRun:
         stop_run(args, state, save)
     end_run(args)
