@@ -10,32 +10,28 @@ midtraining does). The same loop as pretraining, different data.
 
 What differs from train_gpt2.py, which this file follows block for block:
 - get_args: the start is a base checkpoint of ours (--init_ckpt) or OpenAI's weights (--init_from), and
-  --data names the sources, KIND:PATH[:EPOCHS]; new are --val_data, --val_fraction, --train_on and
-  --warmdown_frac;
+  --data names the sources, KIND:PATH[:EPOCHS]; new are --val_fraction and --warmdown_frac;
   --seq_len defaults to the model's context, --total_batch_size to one micro-batch a rank and --max_steps to
   one pass over the data; other defaults are lower (lr 2e-4, no weight decay, Muon at 0.005 with 50 warm-up
-  steps). There is no --model, --data_dir, --val_tokens or HellaSwag; --resume also keeps --seed and
-  --val_fraction.
+  steps). There is no --model, --data_dir, --val_tokens or HellaSwag; --resume also keeps --seed,
+  --val_fraction, --data and --seq_len.
 - The chat format (the "chat" block: get_chat_tokenizer, render_conversation, render_for_reply), with the
-  calculator's calls and outputs, and the data: build_data reads each source and test split (parse_source,
-  load_source with calculator_parts for GSM8K, check_conversation; spelling_conversations generates the
-  spelling tasks), renders each conversation and packs them into rows (pack_rows, rows_to_arrays); RowLoader
-  reads the rows, with -1 targets where nothing is learned.
+  calculator's calls and outputs, and the data: build_data reads each source and a hub source's test split
+  (parse_source, load_source with render, calculator_parts for GSM8K; spelling_conversations generates the
+  spelling tasks), crops each rendered conversation to a row, leaves out those with nothing to learn, and packs
+  them into rows (pack_rows); row_batches reads the rows, with -1 targets where nothing is learned.
 - lr_multiplier: flat, then a linear decay to 0 (no warm-up: the weights are trained already).
-- main(): the model comes from --init_ckpt or --init_from; each step's loss is averaged over the targets it
-  learns, which the loader counts first (RowLoader.step_tokens); the val rows are padded to whole
+- main(): the model comes from --init_ckpt or --init_from; the rows a step reads follow from its number, and
+  its loss is averaged over the targets they hold, counted first; the val rows are padded to whole
   micro-batches, and the val loss is a sum over a count; the samples are replies to a chat prompt, cut at
-  their end token, also at the first step; the checkpoint also holds kind "mid", the chat tokens and the
-  number of train rows (a resume checks it).
+  their end token, also at the first step; the checkpoint also holds kind "mid" and the chat tokens.
 The code after main() is train_gpt2.py's, in the same shared blocks, but for HellaSwag (tests/sync_shared.py
 keeps them equal).
 """
 
 import argparse
 import bisect
-import csv
 import glob
-import io
 import itertools
 import json
 import math
@@ -110,18 +106,13 @@ def get_args(argv=None):
                    help="start from OpenAI's weights (needs transformers)")
     p.add_argument("--data", nargs="+", default=DEFAULT_DATA,
                    help="sources KIND:PATH[:EPOCHS]; KIND chat (.jsonl of {messages} or bare message "
-                        "lists), gsm8k (.jsonl question/answer, with its calculator calls) or mmlu (.csv or "
-                        "folder of them); or simplespelling or spellingbee from a word list, a word a line, "
-                        "with ROWS for EPOCHS; PATH `hub` loads it by name, a URL is downloaded once")
-    p.add_argument("--val_data", nargs="*", default=[],
-                   help="test splits for val, KIND:PATH[:ROWS] (at most ROWS, nanochat's by default: "
-                        f"{ {kind: task['val_rows'] for kind, task in TASKS.items()} }); a hub source's val is "
-                        f"its test split on the hub")
+                        "lists), gsm8k (.jsonl question/answer, with its calculator calls) or mmlu (.jsonl "
+                        "question/choices/answer), PATH a file or a folder of them; or simplespelling or "
+                        "spellingbee from a word list, a word a line, with ROWS for EPOCHS; PATH `hub` loads it by "
+                        "name, a URL is downloaded once")
     p.add_argument("--val_fraction", type=ranged(float, 0, 1, low_open=True, high_open=True), default=0.02,
-                   help="share held out for val of each source whose kind has no test split (0 would leave "
-                        "no val split, 1 no train data)")
-    p.add_argument("--train_on", default="assistant", choices=["assistant", "all"],
-                   help="learn the assistant's tokens only, or every token")
+                   help="share held out for val of each source read from files (0 would leave no val split, 1 no "
+                        "train data); a hub source's val is its test split on the hub")
     p.add_argument("--seq_len", type=positive_int,
                    help="tokens per training sequence (default: the model's context length)")
     p.add_argument("--micro_batch_size", type=positive_int, default=16,
@@ -138,8 +129,6 @@ def get_args(argv=None):
     p.add_argument("--seed", type=seed_int, default=1337, help="random seed (data order, val split)")
     p.add_argument("--eval_every", type=nonneg_int, default=100,
                    help="val loss and samples every N steps (and at the end; 0: never)")
-    p.add_argument("--eval_tokens", type=nonneg_int, default=0,
-                   help="val tokens each eval reads, from the start of the val split (0: all of it)")
     p.add_argument("--num_samples", type=nonneg_int, default=1,
                    help="samples printed at each eval (0: none)")
     p.add_argument("--sample_len", type=positive_int, default=64,
@@ -158,24 +147,22 @@ def get_args(argv=None):
     if args.demo:  # the preset's values for the flags not given; OpenAI's weights need no --init_ckpt
         take_defaults(args, argv, {key: value for key, value in DEMO_PRESET.items()
                                     if not (key == "init_ckpt" and args.init_from)})
-    # an out_dir holding checkpoints continues its run; where it started and its data split stay as they were
-    continue_run(args, argv, fixed=("init_ckpt", "init_from", "optimizer", "seed", "val_fraction"), kind="mid")
+    # An out_dir holding checkpoints continues its run. Where it started and its data stay as they were: the
+    # train rows a step reads follow from its number.
+    continue_run(args, argv, fixed=("init_ckpt", "init_from", "optimizer", "seed", "val_fraction", "data", "seq_len"),
+                 kind="mid")
     if not args.resume_checkpoint and (args.init_ckpt is None) == (args.init_from is None):
         die("start from a base checkpoint with --init_ckpt, or from OpenAI's weights with --init_from gpt2")
     if args.demo and args.data == DEMO_PRESET["data"] and not os.path.exists("data/demo/chat.jsonl"):
         die("--demo trains on data/demo/chat.jsonl, which is missing: run python prepare_fineweb.py --demo first")
-    demo_start_missing = (args.init_ckpt and not os.path.isfile(args.init_ckpt)
-                          and not checkpoint_files(args.init_ckpt))
-    if args.demo and not args.resume_checkpoint and demo_start_missing:
-        die(f"--demo starts from {args.init_ckpt}, which holds no checkpoint: run python train_gpt2.py --demo first")
-    # --val_fraction holds out a share of each source whose kind has no test split: of --val_data, or on the hub
+    if args.demo and args.init_ckpt and not args.resume_checkpoint and not os.path.exists(args.init_ckpt):
+        die(f"--demo starts from {args.init_ckpt}, which is missing: run python train_gpt2.py --demo first")
+    # --val_fraction holds out a share of each source read from files
     sources = [parse_source(spec) for spec in args.data]
-    tested = {parse_source(spec, "--val_data")[0] for spec in args.val_data}
-    tested |= {kind for kind, path, _ in sources if path == "hub" and "hub" in TASKS[kind]}
-    every_kind_tested = all(kind in tested or "generate" in TASKS[kind] for kind, _, _ in sources)
+    from_files = any(path != "hub" and "generate" not in TASKS[kind] for kind, path, _ in sources)
     refuse_ignored(argv, {"--optimizer adamw": (args.optimizer == "adamw", MUON_FLAGS),
-                           "a test split for every --data kind": (every_kind_tested, ["val_fraction"]),
-                           "--eval_every 0": (args.eval_every == 0, ["eval_tokens", "num_samples", "sample_len",
+                           "no --data source read from files": (not from_files, ["val_fraction"]),
+                           "--eval_every 0": (args.eval_every == 0, ["num_samples", "sample_len",
                                                                      "prompt"]),
                            "--num_samples 0": (args.num_samples == 0, ["sample_len", "prompt"])})
     return args
@@ -320,9 +307,9 @@ CHAT_TOKENS = ["<|bos|>", "<|system_start|>", "<|system_end|>", "<|user_start|>"
                "<|assistant_start|>", "<|assistant_end|>",
                # the calculator's, added later: a call the model writes, and the output the tool writes back
                "<|python_start|>", "<|python_end|>", "<|output_start|>", "<|output_end|>"]
-ROLE_TOKENS = {role: (f"<|{role}_start|>", f"<|{role}_end|>") for role in ("system", "user", "assistant")}
-# the parts of an assistant's message besides text (nanochat's): a calculator call and the tool's output
-TOOL_TOKENS = {"python": ("<|python_start|>", "<|python_end|>"),
+# the tokens around each type of part of an assistant's message (nanochat's): text, a calculator call, the tool's
+# output
+PART_TOKENS = {"text": (), "python": ("<|python_start|>", "<|python_end|>"),
                "python_output": ("<|output_start|>", "<|output_end|>")}
 
 
@@ -334,25 +321,24 @@ def get_chat_tokenizer(chat_tokens=CHAT_TOKENS):
 
 def render_conversation(enc, messages):
     """Token ids of a conversation, and a loss mask that is 1 on what the assistant writes and its end token:
-    <|bos|> <|user_start|> text <|user_end|> <|assistant_start|> text <|assistant_end|> ... An assistant's
-    content is text, or a list of nanochat's parts {"type": "text", "python" or "python_output", "text"};
-    a call is learned, the tool's output is not (at chat time the calculator writes it)."""
+    <|bos|> <|user_start|> text <|user_end|> <|assistant_start|> text <|assistant_end|> ... A role is system,
+    user or assistant. A message's content is text, or a list of nanochat's parts {"type": "text", "python" or
+    "python_output", "text"}: a call is learned, the tool's output is not (at chat time the calculator writes
+    it)."""
     ids, mask = [enc.encode_single_token("<|bos|>")], [0]
     for message in messages:
-        start_token, end_token = ROLE_TOKENS[message["role"]]
-        learn = int(message["role"] == "assistant")
-        content = message["content"]
+        role, content = message["role"], message["content"]
+        learn = int(role == "assistant")
         parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
-        ids.append(enc.encode_single_token(start_token))
+        ids.append(enc.encode_single_token(f"<|{role}_start|>"))
         mask.append(0)
         for part in parts:
-            part_ids = enc.encode_ordinary(part["text"])
-            if part["type"] in TOOL_TOKENS:
-                part_start, part_end = (enc.encode_single_token(t) for t in TOOL_TOKENS[part["type"]])
-                part_ids = [part_start] + part_ids + [part_end]
+            # the text, between the tokens of its type
+            wrap = [enc.encode_single_token(token) for token in PART_TOKENS[part["type"]]]
+            part_ids = wrap[:1] + enc.encode_ordinary(part["text"]) + wrap[1:]
             ids += part_ids
             mask += [learn * (part["type"] != "python_output")] * len(part_ids)
-        ids.append(enc.encode_single_token(end_token))
+        ids.append(enc.encode_single_token(f"<|{role}_end|>"))
         mask.append(learn)
     return ids, mask
 
@@ -363,47 +349,35 @@ def render_for_reply(enc, messages):
     return ids + [enc.encode_single_token("<|assistant_start|>")]
 # ---- end shared: chat ----
 
-
 # -----------------------------------------------------------------------------
 # data: sources -> conversations -> rendered, packed rows
 
 
-def parse_source(spec, flag="--data"):
-    """KIND:PATH[:N], a source of --data (N: its epochs, or a spelling task's rows) or of --val_data (N: the
-    most rows it gives)."""
+def parse_source(spec):
+    """KIND:PATH[:N], a source of --data (N: its epochs, or a spelling task's rows)."""
     match = re.fullmatch(r"(\w+):(.+?)(?::(-?\d+))?", spec)
     if not match or match[1] not in TASKS:
-        die(f"{flag} {spec}: expected KIND:PATH[:N] with KIND one of {', '.join(TASKS)}")
+        die(f"--data {spec}: expected KIND:PATH[:N] with KIND one of {', '.join(TASKS)}")
     kind, path, count = match.groups()
     if count is not None and int(count) < 1:
-        die(f"{flag} {spec}: N (epochs or rows) must be 1 or more")
+        die(f"--data {spec}: N (epochs or rows) must be 1 or more")
     return kind, path, count and int(count)
 
 
-def check_conversation(messages, where):
-    """A conversation is an optional system message, then user and assistant messages taking turns, user
-    first: the shape the model is asked to continue at chat time. Anything else is an error naming where it
-    is."""
-    if not isinstance(messages, list) or not messages:
-        die(f"{where}: empty conversation; a conversation is a non-empty list of {{role, content}} messages")
-    for i, m in enumerate(messages):
-        content = m.get("content") if isinstance(m, dict) else None
-        # text, or nanochat's list of parts (text, calculator calls and their outputs)
-        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
-        part_ok = (lambda p: isinstance(p, dict) and p.get("type") in ("text", *TOOL_TOKENS)
-                   and isinstance(p.get("text"), str))
-        if not isinstance(parts, list) or not all(map(part_ok, parts)):
-            die(f"{where}: a message without text content; each message is {{\"role\": ..., \"content\": "
-                f"\"...\"}}, its content text or a list of parts {{\"type\": \"text\", \"text\": \"...\"}}")
-        role = m.get("role")
-        if not isinstance(role, str) or role not in ROLE_TOKENS:
-            die(f"{where}: unknown role {role!r}; roles are {', '.join(ROLE_TOKENS)}")
-        turn = i - (messages[0]["role"] == "system")
-        expected = "system" if turn < 0 else ("user", "assistant")[turn % 2]
-        if role != expected:
-            die(f"{where}: message {i + 1} is {role}, expected {expected}; after an optional system message, "
-                f"user and assistant take turns, user first")
-    return messages
+# A conversation's roles, in order: an optional system message, then user and assistant taking turns, user first
+# (the shape the model is asked to continue at chat time).
+TURNS = re.compile(r"(system )?user( assistant user)*( assistant)?")
+
+
+def render(enc, messages):
+    """A conversation's token ids (uint16: the chat vocab of 50268 fits) and loss mask as arrays, 3 bytes a token.
+    Roles out of turn (TURNS) are a ValueError, as a message of another shape fails in render_conversation."""
+    roles = " ".join(message["role"] for message in messages)
+    if not TURNS.fullmatch(roles):
+        raise ValueError(f"the roles [{roles}] are not an optional system message, then user and assistant taking "
+                         f"turns, user first")
+    ids, mask = render_conversation(enc, messages)
+    return np.array(ids, dtype=np.uint16), np.array(mask, dtype=bool)
 
 
 def read_jsonl(path):
@@ -418,65 +392,51 @@ def read_jsonl(path):
                 yield row, f"{path}:{line_no}"
 
 
-def read_mmlu_csv(path):
-    """(row, where) of an MMLU .csv: with a header (question, choice0..3, answer 0-3) or hendrycks'
-    headerless (..., A-D)."""
-    with open(path, "rb") as f:
-        data = f.read()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line_no = data[:e.start].count(b"\n") + 1
-        die(f"{path}:{line_no} is not UTF-8 text; convert the file to UTF-8")
-    for row_no, row in enumerate(csv.reader(io.StringIO(text, newline="")), 1):
-        if row_no == 1 and row[:1] == ["question"]:  # the header
-            continue
-        if len(row) != 6 or row[5] not in list("ABCD0123"):
-            die(f"{path}: row {row_no} is not question, 4 choices and the answer (0-3 or A-D)")
-        answer = "ABCD0123".index(row[5]) % 4  # A-D or 0-3
-        yield dict(question=row[0], choices=row[1:5], answer=answer), f"{path} row {row_no}"
-
-
-def download(url):
-    """A file of the web, downloaded once into ~/.cache/nanogpt (or $XDG_CACHE_HOME/nanogpt): its path."""
-    import urllib.request
-    folder = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "nanogpt")
-    path = os.path.join(folder, os.path.basename(url))
-    if not os.path.exists(path):
-        print0(f"downloading {url} to {path}")
-        tmp = f"{path}.{os.getpid()}.tmp"  # each rank its own, then one rename: a file is whole or absent
+def local_path(path):
+    """A PATH of --data as it is, but a URL: its file downloaded once into torch's cache (~/.cache/torch/hub, or
+    $TORCH_HOME/hub), and that path."""
+    if not re.match(r"https?://", path):
+        return path
+    folder = torch.hub.get_dir()
+    local = os.path.join(folder, os.path.basename(path))
+    if not os.path.exists(local):
         try:
             os.makedirs(folder, exist_ok=True)
-            with urllib.request.urlopen(url, timeout=60) as response, open(tmp, "wb") as f:
-                f.write(response.read())
-            os.replace(tmp, path)
+            # into a file of its own, then renamed: the file is whole or absent, whichever rank wrote it
+            torch.hub.download_url_to_file(path, local, progress=master_process)
         except OSError as e:  # no network, an HTTP error, a full disk
-            die(f"cannot download {url} to {path} ({e}); offline, give a local copy in its place in --data")
-    return path
+            die(f"cannot download {path} to {local} ({e}); offline, give a local copy in its place in --data")
+    return local
 
 
-def load_source(kind, path, split="train"):
-    """The conversations of one source of a kind read from files or the hub, each checked; `hub` gives the
-    train or the test split."""
+def load_source(enc, kind, path, split="train"):
+    """The rendered conversations of one source of a kind, read from the hub (`hub`: its train or its test
+    split), or from a .jsonl file or a folder of them. A row that the kind's function or the rendering fails on
+    is an error naming where it is."""
     task = TASKS[kind]
     if path == "hub":
         if not hub_reachable():
             die(f"cannot reach the Hugging Face hub for {kind}:hub; offline, give local files, e.g. --data {kind}:path")
         import datasets
-        dataset = datasets.load_dataset(*task["hub"][split == "test"], split=split)
+        name, train_config, test_config = task["hub"]
+        dataset = datasets.load_dataset(name, test_config if split == "test" else train_config, split=split)
         rows = ((row, f"{kind}:hub {split} row {i}") for i, row in enumerate(dataset))
     else:
-        path = download(path) if re.match(r"https?://", path) else path
-        pattern = task["files"]
-        files = sorted(glob.glob(os.path.join(glob.escape(path), pattern))) if os.path.isdir(path) else [path]
-        if not files or not all(os.path.isfile(f) for f in files):
-            flag = "--val_data" if split == "test" else "--data"
-            die(f"{flag} {kind}:{path}: no such file or folder of {pattern} files")
-        rows = itertools.chain.from_iterable(task["read"](f) for f in files)
-    return [check_conversation(task["conversation"](row, where), where) for row, where in rows]
+        path = local_path(path)
+        files = sorted(glob.glob(os.path.join(glob.escape(path), "*.jsonl"))) if os.path.isdir(path) else [path]
+        if not files or not all(map(os.path.isfile, files)):
+            die(f"--data {kind}:{path}: no such file or folder of .jsonl files")
+        rows = itertools.chain.from_iterable(map(read_jsonl, files))
+    conversations = []
+    for row, where in rows:
+        try:
+            conversations.append(render(enc, task["conversation"](row)))
+        except (AttributeError, LookupError, TypeError, ValueError) as e:  # a row of another shape
+            die(f"{where}: not a row of {kind} ({type(e).__name__}: {e}); docs/data.md has each kind's shape")
+    return conversations
 
 
-def chat_conversation(row, where):
+def chat_conversation(row):
     """{"messages": [...]} or the bare list."""
     return row.get("messages") if isinstance(row, dict) else row
 
@@ -485,30 +445,27 @@ def question_and_answer(question, answer):
     return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
 
 
-def mmlu_conversation(row, where):
+def mmlu_conversation(row):
+    """{question, choices (4), answer (0-3)}, as the hub's rows."""
     row = row.get("train", row)  # the hub's auxiliary_train nests its rows
-    options = "\n".join(f"{letter}. {choice}" for letter, choice in zip("ABCD", row["choices"]))
+    options = "\n".join(f"{letter}. {choice}" for letter, choice in zip("ABCD", row["choices"], strict=True))
     question = f"{row['question']}\n\n{options}\n\nAnswer with the letter of the correct choice."
     return question_and_answer(question, "ABCD"[int(row["answer"])])
 
 
-def gsm8k_conversation(row, where):
-    if not (isinstance(row, dict) and all(isinstance(row.get(k), str) for k in ("question", "answer"))):
-        die(f"{where}: a GSM8K row needs question and answer, both strings")
+def gsm8k_conversation(row):
     return question_and_answer(row["question"], calculator_parts(row["answer"]))
 
 
 def calculator_parts(answer):
     """A GSM8K answer as nanochat's parts: each calculator annotation, <<48/2=24>>, a call (48/2) and the
-    tool's output (24); the text around them is kept whole ("... = 24 ... #### 72")."""
-    parts = []
-    for i, piece in enumerate(re.split(r"<<([^>]*)>>", answer)):
-        if i % 2 == 0:
-            parts.append({"type": "text", "text": piece})
-        else:
-            call, _, output = piece.rpartition("=") if "=" in piece else (piece, "", "")
-            parts += [{"type": "python", "text": call}, {"type": "python_output", "text": output}]
-    return parts
+    tool's output (24: what follows its last =, if any); the text around them is kept whole ("... = 24 ...
+    #### 72")."""
+    # split where the annotations are, keeping the groups: the text, then for each annotation its call, its
+    # output (None without an =) and the text after it
+    pieces = re.split(r"<<([^>]*?)(?:=([^>=]*))?>>", answer)
+    part_types = itertools.cycle(["text", "python", "python_output"])
+    return [{"type": part_type, "text": piece or ""} for part_type, piece in zip(part_types, pieces)]
 
 
 # SpellingBee's questions, in several phrasings and languages, as a user might ask
@@ -526,22 +483,18 @@ LETTER_COUNT_QUESTIONS = [
 
 
 def spelling_conversations(kind, path, rows, seed):
-    """rows conversations of a task generated from the words of a list (one a line: lowercase letters only
-    are kept), the same for the same seed: its function makes one of a word."""
-    path = WORD_LIST_URL if path == "hub" else path
-    path = download(path) if re.match(r"https?://", path) else path
+    """rows conversations of a task generated from the words of a list (one a line: words of letters a-z are
+    kept, lowercased), the same for the same seed: its function makes one of a word."""
+    path = local_path(WORD_LIST_URL if path == "hub" else path)
     try:
         with open(path, encoding="utf-8") as f:
-            words = [w for w in (line.strip().lower() for line in f) if re.fullmatch("[a-z]+", w)]
-    except (OSError, UnicodeDecodeError) as e:
-        die(f"--data {kind}:{path}: cannot read a word list ({e}); give a UTF-8 text file, a word a line")
-    if not words:
-        die(f"--data {kind}:{path} holds no word of letters a-z; give a text file of words, one a line")
+            words = [word for word in f.read().lower().split() if re.fullmatch("[a-z]+", word)]
+        if not words:
+            raise ValueError("no word of letters a-z in it")
+    except (OSError, ValueError) as e:  # no such file, not UTF-8, no word
+        die(f"--data {kind}:{path}: not a word list ({e}); give a UTF-8 text file of words, one a line")
     rng = random.Random(f"{kind} {seed}")
-    conversations = []
-    for _ in range(rows):
-        conversations.append(TASKS[kind]["generate"](rng.choice(words), rng))
-    return conversations
+    return [TASKS[kind]["generate"](rng.choice(words), rng) for _ in range(rows)]
 
 
 def spell_word(word, rng):
@@ -557,7 +510,7 @@ def count_letter(word, rng):
     letter = rng.choice(word) if rng.random() < 0.9 else rng.choice(string.ascii_lowercase)
     question = rng.choice(LETTER_COUNT_QUESTIONS)
     question = question.lower() if rng.random() < 0.3 else question
-    quote_letter, quote_word = rng.choice(["", "'", '"']), rng.choice(["", "'", '"'])
+    quote_letter, quote_word = (rng.choice(["", "'", '"']) for _ in range(2))
     question = question.format(letter=f"{quote_letter}{letter}{quote_letter}",
                                word=f"{quote_word}{word}{quote_word}")
     question += "?" if rng.random() < 0.5 else ""
@@ -566,178 +519,121 @@ def count_letter(word, rng):
     for i, char in enumerate(word, 1):
         count += char == letter
         steps.append(f"{i}:{char}" + (f" hit! count={count}" if char == letter else ""))
-    counting = (f"We are asked to find the number '{letter}' in the word '{word}'. Let me try a manual "
-                f"approach first.\n\nFirst spell the word out:\n{spelled}\n\nThen count the occurrences "
-                f"of '{letter}':\n" + "\n".join(steps) + f"\n\nThis gives us {count}.")
-    final = f"\n\nPython gives us {count}.\n\nMy final answer is:\n\n#### {count}"
-    answer = [{"type": "text", "text": counting + "\n\nLet me double check this using Python:\n\n"},
-              {"type": "python", "text": f"'{word}'.count('{letter}')"},
-              {"type": "python_output", "text": str(count)}, {"type": "text", "text": final}]
-    return question_and_answer(question, answer)
+    # the calculator's call and its output written as a GSM8K annotation, <<call=output>>
+    answer = (f"We are asked to find the number '{letter}' in the word '{word}'. Let me try a manual approach "
+              f"first.\n\nFirst spell the word out:\n{spelled}\n\nThen count the occurrences of '{letter}':\n"
+              + "\n".join(steps) + f"\n\nThis gives us {count}.\n\nLet me double check this using Python:\n\n"
+              f"<<'{word}'.count('{letter}')={count}>>\n\nPython gives us {count}.\n\nMy final answer is:\n\n"
+              f"#### {count}")
+    return question_and_answer(question, calculator_parts(answer))
 
 
-# The task kinds of --data and --val_data, each declared here once. A kind is read from files or the hub,
-# its function making a row a conversation (conversation: row, where), or generated from a word list, its
-# function making a word one (generate: word, rng), `rows` of them unless --data says. hub: what `KIND:hub`
-# loads through `datasets`, (name, config) of its train split and of its test split, which is its val; files:
-# what a folder of them holds, read by `read`. val_rows: the most rows a test split gives val, nanochat's,
-# which keep its val near 5.2% of each train source, as are SmolTalk's 24K test rows (MMLU's has 14K, GSM8K's
-# 1.3K); None: all.
+# The task kinds of --data, each declared here once. A kind is read from the hub or .jsonl files,
+# its function making a row a conversation (conversation: row; a row it fails on, by a LookupError, TypeError or
+# ValueError, is an error naming where the row is), or generated from a word list, its function making a word
+# one (generate: word, rng), `rows` of them unless --data says. hub: what `KIND:hub` loads through `datasets`,
+# (name, the config of its train split, that of its test split, which is its val). val_rows: the most rows its
+# test split gives val, nanochat's, which keep its val near 5.2% of each train source, as are SmolTalk's 24K test
+# rows (MMLU's has 14K, GSM8K's 1.3K); None: all.
 TASKS = {
-    "chat": dict(conversation=chat_conversation, files="*.jsonl", read=read_jsonl, val_rows=None,
-                 hub=(("HuggingFaceTB/smol-smoltalk", None), ("HuggingFaceTB/smol-smoltalk", None))),
-    "mmlu": dict(conversation=mmlu_conversation, files="*.csv", read=read_mmlu_csv, val_rows=5200,
-                 hub=(("cais/mmlu", "auxiliary_train"), ("cais/mmlu", "all"))),
-    "gsm8k": dict(conversation=gsm8k_conversation, files="*.jsonl", read=read_jsonl, val_rows=420,
-                  hub=(("openai/gsm8k", "main"), ("openai/gsm8k", "main"))),
-    "simplespelling": dict(generate=spell_word, rows=200_000, val_rows=10_400),
-    "spellingbee": dict(generate=count_letter, rows=80_000, val_rows=4160),
+    "chat": dict(conversation=chat_conversation, val_rows=None, hub=("HuggingFaceTB/smol-smoltalk", None, None)),
+    "mmlu": dict(conversation=mmlu_conversation, val_rows=5200, hub=("cais/mmlu", "auxiliary_train", "all")),
+    "gsm8k": dict(conversation=gsm8k_conversation, val_rows=420, hub=("openai/gsm8k", "main", "main")),
+    "simplespelling": dict(generate=spell_word, rows=200_000),
+    "spellingbee": dict(generate=count_letter, rows=80_000),
 }
 
 
-def pack_rows(conversations, capacity):
-    """Best-fit decreasing: longest first, each conversation into the open row with the least room that holds
-    it. Every row starts at a conversation start; a longer one is cropped. Returns rows of indices, and the
-    cropped count."""
-    order = sorted(range(len(conversations)), key=lambda i: -len(conversations[i][0]))
-    rows, free, cropped = [], [], 0  # free: sorted (room left, row) of rows that can take more
-    for i in order:
-        length = len(conversations[i][0])
-        cropped += length > capacity
+def pack_rows(conversations, capacity, rng):
+    """Rendered conversations of at most capacity tokens packed into rows of capacity tokens, best-fit
+    decreasing: longest first (ties in rng's order), each into the open row with the least room that holds it, so
+    that every row starts at a conversation start. Returns the rows, in rng's order, as (N, capacity) token ids
+    and loss mask; the room left in a row is padding with mask 0."""
+    conversations = rng.sample(conversations, len(conversations))
+    conversations.sort(key=lambda conversation: -len(conversation[0]))
+    rows, free = [], []  # free: sorted (room left, row) of rows that can take more
+    for conversation in conversations:
+        length = len(conversation[0])
         slot = bisect.bisect_left(free, (length, -1))
-        if slot == len(free):  # no open row has the room (none has for a conversation of capacity or more)
+        if slot == len(free):  # no open row has the room (none has for a conversation of capacity tokens)
             rows.append([])
             room, row = capacity, len(rows) - 1
         else:
             room, row = free.pop(slot)
-        rows[row].append(i)
+        rows[row].append(conversation)
         if room > length:
             bisect.insort(free, (room - length, row))
-    return rows, cropped
-
-
-def rows_to_arrays(rows, conversations, capacity):
-    """(N, capacity) token ids (uint16: the chat vocab of 50268 fits) and bool loss mask, 3 bytes a token;
-    the room left in a row is padding with mask 0."""
+    rng.shuffle(rows)
     tokens = np.full((len(rows), capacity), EOT_TOKEN, dtype=np.uint16)
     mask = np.zeros((len(rows), capacity), dtype=bool)
     for r, row in enumerate(rows):
-        ids = np.concatenate([conversations[i][0] for i in row])[:capacity]
-        tokens[r, : len(ids)] = ids
-        mask[r, : len(ids)] = np.concatenate([conversations[i][1] for i in row])[:capacity]
+        row_ids, row_mask = map(np.concatenate, zip(*row))
+        tokens[r, :len(row_ids)] = row_ids
+        mask[r, :len(row_ids)] = row_mask
     return tokens, mask
 
 
 def build_data(args, enc, capacity):
-    """Train and val rows, and a line on each source. Val is the test splits: of --val_data, and a hub
-    source's on the hub; a source whose kind has none gives its first val_fraction (after a seeded shuffle).
-    Each train epoch is packed on its own, so no row holds two copies of a conversation; epoch e holds the
-    sources with more than e epochs."""
-
-    def render(messages):
-        ids, mask = render_conversation(enc, messages)
-        if args.train_on == "all":
-            mask = [0] + [1] * (len(ids) - 1)
-        return np.array(ids, dtype=np.uint16), np.array(mask, dtype=bool)
+    """Train and val rows, and a line on each source. A hub source's val is its test split on the hub; a source
+    read from files gives its first val_fraction (after a seeded shuffle); a generated one gives none. A
+    conversation longer than a row is cropped, and one left with no text for the assistant to learn (none
+    written, or cropped off) is left out, with a line. Each train epoch is packed on its own, so no row holds two
+    copies of a conversation; epoch e holds the sources with more than e epochs. Returns each split's tokens,
+    loss mask and conversations (with epochs)."""
 
     def conversations_of(kind, path, count, split):
-        if "generate" in TASKS[kind]:  # the test split from another seed
-            return spelling_conversations(kind, path, count or TASKS[kind]["rows"], f"{split} {args.seed}")
-        conversations = load_source(kind, path, split)
-        random.Random(args.seed).shuffle(conversations)
-        return conversations
+        if "generate" in TASKS[kind]:
+            generated = spelling_conversations(kind, path, count or TASKS[kind]["rows"], f"{split} {args.seed}")
+            conversations = [render(enc, messages) for messages in generated]
+        else:
+            conversations = load_source(enc, kind, path, split)
+            random.Random(args.seed).shuffle(conversations)
+        cropped = sum(len(ids) > capacity for ids, _ in conversations)
+        conversations = [(ids[:capacity], mask[:capacity]) for ids, mask in conversations]
+        # the text the assistant writes is its learned tokens below the special ones
+        kept = [(ids, mask) for ids, mask in conversations if (mask & (ids < EOT_TOKEN)).any()]
+        if cropped or len(kept) < len(conversations):
+            print0(f"{split}: {kind}:{path}, {cropped:,} conversations cropped to {capacity} tokens, "
+                   f"{len(conversations) - len(kept):,} left out with no text to learn")
+        return kept
 
-    sources = [parse_source(spec) for spec in args.data]
-    # the test splits: those given, and the hub's of a kind that comes from the hub and has none given
-    test_splits = [parse_source(spec, "--val_data") for spec in args.val_data]
-    given = {kind for kind, _, _ in test_splits}
-    test_splits += [(kind, "hub", None) for kind, path, _ in sources
-                    if path == "hub" and "hub" in TASKS[kind] and kind not in given]
-    test_kinds = {kind for kind, _, _ in test_splits}
-    train, val = [], []  # train: (rendered conversation, its epochs)
-    for kind, path, count in test_splits:
-        rows = count or TASKS[kind]["val_rows"]
-        conversations = conversations_of(kind, path, rows, "test")[:rows]
-        val += [render(m) for m in conversations]
-        print0(f"val: {kind}:{path} test split, {len(conversations):,} conversations")
-    for kind, path, count in sources:
-        conversations = conversations_of(kind, path, count, "train")
-        # A kind without a test split holds out a share of each source (but a source of one conversation, and
-        # a generated one: its test split is generated apart, from another seed).
-        n_val = 0
+    val, train_epochs = [], {}  # train_epochs: epoch -> its conversations
+    for kind, path, count in map(parse_source, args.data):
         generated = "generate" in TASKS[kind]
-        if kind not in test_kinds and not generated and len(conversations) > 1:
+        conversations = conversations_of(kind, path, count, "train")
+        n_val = 0
+        if path == "hub" and not generated:  # at most val_rows of the test split
+            test_split = conversations_of(kind, path, count, "test")[:TASKS[kind]["val_rows"]]
+            val += test_split
+            print0(f"val: {kind}:hub test split, {len(test_split):,} conversations")
+        elif not generated:
             n_val = math.ceil(len(conversations) * args.val_fraction)
-            print0(f"val: {kind}:{path} held out, {n_val:,} conversations (--val_fraction "
-                   f"{args.val_fraction:g}: no test split of {kind} in --val_data)")
-        val += [render(m) for m in conversations[:n_val]]
+            print0(f"val: {kind}:{path} held out, {n_val:,} conversations (--val_fraction {args.val_fraction:g})")
+        val += conversations[:n_val]
         epochs = 1 if generated else count or 1
-        train += [(render(m), epochs) for m in conversations[n_val:]]
+        for epoch in range(epochs):
+            train_epochs.setdefault(epoch, []).extend(conversations[n_val:])
         print0(f"train: {kind}:{path}, {len(conversations) - n_val:,} conversations x{epochs}")
 
-    num_epochs = max((epochs for _, epochs in train), default=1)
-    train_epochs = [[item for item, epochs in train if epochs > epoch] for epoch in range(num_epochs)]
     splits = {}
-    for name, parts in (("train", train_epochs), ("val", [val])):
-        arrays, cropped = [], 0
-        for epoch, items in enumerate(parts):
-            rng = random.Random(args.seed + 1 + epoch)
-            rng.shuffle(items)
-            rows, crops = pack_rows(items, capacity)
-            rng.shuffle(rows)
-            arrays.append(rows_to_arrays(rows, items, capacity))
-            cropped += crops
-        # the split's tokens, its loss mask, its conversations (with epochs) and how many were cropped
-        tokens, masks = zip(*arrays)
-        splits[name] = (np.concatenate(tokens), np.concatenate(masks), sum(map(len, parts)), cropped)
+    for name, parts in (("train", list(train_epochs.values())), ("val", [val])):
+        packed = [pack_rows(part, capacity, random.Random(args.seed + 1 + i)) for i, part in enumerate(parts)]
+        tokens, masks = zip(*packed)
+        splits[name] = (np.concatenate(tokens), np.concatenate(masks), sum(map(len, parts)))
     return splits
 
 
-class RowLoader:
-    """(B, T) inputs and targets (-1 where no loss) on the device, from packed rows; each rank reads its own
-    B rows of every B * world_size. The row position and the pass over the rows (epoch) are all the state there
-    is: checkpoints hold it."""
-
-    def __init__(self, tokens, mask, B, rank, world_size, device):
-        # uint16: widened a batch at a time
-        self.tokens, self.mask = torch.from_numpy(tokens), torch.from_numpy(mask)
-        self.B, self.rank, self.device = B, rank, device
-        self.micro_step_rows = B * world_size  # the rows of a micro-batch on every rank
-        self.pos, self.epoch = 0, 0
-
-    def state(self):
-        return {"pos": self.pos, "epoch": self.epoch}
-
-    def load_state(self, state):
-        self.pos, self.epoch = state["pos"], state.get("epoch", 0)  # a checkpoint from before epochs were kept
-
-    def batch_start(self, pos):
-        """Where the micro-batch at pos really starts: 0 when too few rows are left, for another pass."""
-        return pos if pos + self.micro_step_rows <= len(self.tokens) else 0
-
-    def step_tokens(self, micro_batches):
-        """Targets (tokens learned) in the next micro_batches batches of all ranks, what the step's loss is
-        averaged over. Every rank holds every row, so each counts them all itself."""
-        pos, count = self.pos, 0
-        for _ in range(micro_batches):
-            pos = self.batch_start(pos)
-            count += int(self.mask[pos: pos + self.micro_step_rows, 1:].sum())
-            pos += self.micro_step_rows
-        return count
-
-    def next_batch(self):
-        start = self.batch_start(self.pos)
-        if start < self.pos:  # another pass over the rows
-            self.epoch += 1
-        self.pos = start
-        start = self.pos + self.B * self.rank  # this rank's rows of the micro-batch
-        rows = slice(start, start + self.B)
-        self.pos += self.micro_step_rows
-        x = self.tokens[rows, :-1].long()
-        y = self.tokens[rows, 1:].long().masked_fill(~self.mask[rows, 1:], -1)
-        if self.device.startswith("cuda"):  # pinned: the copy to the GPU runs alongside the compute
+def row_batches(tokens, mask, B, first_row, device):
+    """This rank's (B, T) inputs and targets (-1 where nothing is learned) on the device, micro-batch after
+    micro-batch from row first_row on: each rank reads its B rows of every B * world_size."""
+    tokens, mask = torch.from_numpy(tokens), torch.from_numpy(mask)  # uint16: widened a batch at a time
+    for start in itertools.count(first_row + B * rank, B * world_size):
+        rows = slice(start, start + B)
+        x = tokens[rows, :-1].long()
+        y = tokens[rows, 1:].long().masked_fill(~mask[rows, 1:], -1)
+        if device.startswith("cuda"):  # pinned: the copy to the GPU runs alongside the compute
             x, y = x.pin_memory(), y.pin_memory()
-        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
 
 # -----------------------------------------------------------------------------
@@ -811,9 +707,6 @@ def main(argv=None):
     else:
         raw_model = gpt_from_pretrained(args.init_from)
     enc = get_chat_tokenizer()
-    if enc.n_vocab > raw_model.config.vocab_size:
-        die(f"the model's vocab of {raw_model.config.vocab_size} has no room for the chat tokens (needs "
-            f"{enc.n_vocab})")
     B = args.micro_batch_size
     T = args.seq_len or raw_model.config.block_size
     if T > raw_model.config.block_size:
@@ -832,39 +725,23 @@ def main(argv=None):
 
     # ---- the data: conversations rendered and packed into rows of T + 1 tokens
     splits = build_data(args, enc, T + 1)
-    train_tokens, train_mask, n_train, cropped = splits["train"]
-    val_tokens, val_mask, n_val, _ = splits["val"]
-    if len(train_tokens) < micro_step_rows:
-        die(f"{len(train_tokens)} packed train rows ({n_train} conversations; --val_fraction {args.val_fraction} "
-            f"held out {n_val}), fewer than one micro-batch over all ranks; lower --micro_batch_size or "
-            f"--val_fraction, or give more data")
-    if not len(val_tokens):
-        die("no val conversations: raise --val_fraction or give more data")
-    val_rows = len(val_tokens)
-    if args.eval_tokens:  # each eval reads the first rows of the val split, at least one
-        val_rows = min(val_rows, max(1, args.eval_tokens // T))
-    # the val bits per byte count the bytes of each learned target that is text (not a special token)
-    token_bytes = token_byte_counts(enc, raw_model.config.vocab_size, "cpu")
-    val_text = token_bytes[torch.from_numpy(val_tokens[:val_rows, 1:].astype(np.int64))]
-    for split, learned in (("train", train_mask[:, 1:].any()), ("val", val_text[val_mask[:val_rows, 1:]].any())):
-        if not learned:  # e.g. conversations of user turns only, or too few val rows read
-            die(f"the {split} conversations that are read have no token to learn (no assistant reply, or only "
-                f"special tokens); give conversations with replies, --train_on all, or a higher --eval_tokens")
-    if checkpoint and checkpoint["num_train_rows"] != len(train_tokens):
-        die(f"--resume with other data: {len(train_tokens)} train rows now, {checkpoint['num_train_rows']} in the "
-            f"checkpoint; resume with the same --data, --seq_len and --seed")
-    if not args.max_steps:  # one pass over the train rows
-        args.max_steps = max(1, len(train_tokens) // (micro_step_rows * grad_accum_steps))
-
-    # ---- the loaders
-    train_loader = RowLoader(train_tokens, train_mask, B, rank, world_size, device)
+    train_tokens, train_mask, n_train = splits["train"]
+    val_tokens, val_mask, n_val = splits["val"]
+    # A step reads step_rows rows, over all ranks, and a pass over the train rows whole steps: the rows a step
+    # reads follow from its number.
+    step_rows = grad_accum_steps * micro_step_rows
+    steps_per_pass = len(train_tokens) // step_rows
+    if steps_per_pass == 0 or len(val_tokens) == 0:
+        die(f"{len(train_tokens)} train rows and {len(val_tokens)} val rows of conversations with text to learn "
+            f"({n_train} and {n_val}; --val_fraction {args.val_fraction} held out), and a step reads {step_rows}; "
+            f"give more conversations with replies, or lower --total_batch_size, --micro_batch_size or "
+            f"--val_fraction")
     # Every rank must run as many val batches as the others (the stop check, the all-reduce and FSDP's
     # forwards are collectives): the val rows read are padded to whole micro-batches on every rank, with rows
     # that have no target (they add nothing to the loss or its count).
-    pad = -val_rows % micro_step_rows
-    eval_tokens = np.concatenate([val_tokens[:val_rows], np.full((pad, T + 1), EOT_TOKEN, val_tokens.dtype)])
-    eval_mask = np.concatenate([val_mask[:val_rows], np.zeros((pad, T + 1), bool)])
-    val_loader = RowLoader(eval_tokens, eval_mask, B, rank, world_size, device)
+    padding = [(0, -len(val_tokens) % micro_step_rows), (0, 0)]
+    eval_tokens, eval_mask = (np.pad(array, padding) for array in (val_tokens, val_mask))
+    args.max_steps = args.max_steps or steps_per_pass  # by default one pass over the train rows
 
     # ---- the training setup
     # raw_model is what is saved, sampled and scored; model is what trains and evaluates (DDP-wrapped,
@@ -873,26 +750,24 @@ def main(argv=None):
     raw_model.to(device)
     dtype = autocast_dtype(args.dtype, device)
     model, optimizers, scaler, autocast_ctx = setup_training(raw_model, args, dtype, device)
-    token_bytes = token_bytes.to(device)
+    token_bytes = token_byte_counts(enc, raw_model.config.vocab_size, device)  # for val bits per byte
 
     # ---- the run's state, in every checkpoint: a continued run takes it back whole
-    state = dict(step=0, loader=None, val_loss=None, best={"val_loss": math.inf, "val_bpb": math.inf}, tokens=0,
-                 train_seconds=0.0, wandb_run_id=None, chat_tokens=CHAT_TOKENS, num_train_rows=len(train_tokens))
+    state = dict(step=0, val_loss=None, best={"val_loss": math.inf, "val_bpb": math.inf}, tokens=0,
+                 train_seconds=0.0, wandb_run_id=None, chat_tokens=CHAT_TOKENS)
     if checkpoint:
         restore_run(checkpoint, state, raw_model, optimizers, scaler)
-        train_loader.load_state(state["loader"])
         print0(f"resuming from {args.resume_checkpoint} at step {state['step']}")
     start_step = state["step"]
     log = RunLog(args, state, flops_per_token(raw_model, T), device)
     print0(setup_line(raw_model, args, device, dtype))
-    print0(f"{n_train:,} train conversations (with epochs) in {len(train_tokens):,} rows of {T + 1} tokens, "
-           f"{cropped} cropped; {n_val:,} val conversations in {len(val_tokens):,} rows, of which each eval reads "
-           f"{val_rows:,}")
+    print0(f"{n_train:,} train conversations (with epochs) in {len(train_tokens):,} rows of {T + 1} tokens; "
+           f"{n_val:,} val conversations in {len(val_tokens):,} rows")
 
     def save():
-        state["loader"] = train_loader.state()
         save_checkpoint(raw_model, optimizers, scaler, args, state, kind="mid")
 
+    prompt_ids = render_for_reply(enc, [{"role": "user", "content": args.prompt}])
     reply_end = {enc.encode_single_token("<|assistant_end|>"), EOT_TOKEN}
     try:
         for step in range(start_step, args.max_steps + 1):
@@ -901,11 +776,12 @@ def main(argv=None):
             # (a continued run evaluates where it goes on from: its checkpoint's last eval may be off the grid)
             eval_now = args.eval_every and (step % args.eval_every == 0 or last_step or step == start_step)
 
-            # once in a while evaluate the val loss
+            # once in a while evaluate the val loss, on the same val rows every time
             if eval_now:
-                val_loader.pos = 0  # the same val rows every time
-                val_loss, val_bpb = evaluate_val_loss(model, val_loader.next_batch, len(eval_tokens) // micro_step_rows,
-                                                      token_bytes, autocast_ctx, device)
+                val_batches = row_batches(eval_tokens, eval_mask, B, 0, device)
+                val_loss, val_bpb = evaluate_val_loss(model, lambda: next(val_batches),
+                                                      len(eval_tokens) // micro_step_rows, token_bytes,
+                                                      autocast_ctx, device)
                 judge_checkpoint(args, step, {"val_loss": val_loss}, saved=False)
                 log.val(step, val_loss, val_bpb)
 
@@ -914,7 +790,6 @@ def main(argv=None):
             if eval_now and args.num_samples and (master_process or args.fsdp):
                 # the samples' own generator: the training RNG is left alone
                 generator = torch.Generator(device).manual_seed(args.seed + step)
-                prompt_ids = render_for_reply(enc, [{"role": "user", "content": args.prompt}])
                 prompts = torch.tensor([prompt_ids] * args.num_samples, device=device)
                 samples = sample_tokens(raw_model, prompts, args.sample_len, enc.n_vocab, generator,
                                         autocast_ctx)
@@ -938,28 +813,20 @@ def main(argv=None):
             t0 = time.perf_counter()
             stop_if_asked(device)  # every rank waits here for the slowest: the step's time counts that wait
             learning_rates = set_schedule(optimizers, lr_multiplier(step, args), step, args)
-            step_tokens = train_loader.step_tokens(grad_accum_steps)  # the targets the step learns, on all ranks
-            # Rows of prompts only have no loss to learn from, and an optimizer step would still move the weights
-            # (momentum, weight decay): the rows are read and the step does nothing, but for the tokens it counts
-            # and the pruning after a save.
-            if step_tokens == 0:
-                for _ in range(grad_accum_steps):
-                    train_loader.next_batch()
-                print0(f"step {step:5d}/{args.max_steps} | no token to learn in its rows: skipped")
-                judge_checkpoint(args, step, {}, saved)
-                state["tokens"] += args.total_batch_size
-                continue
-            metrics = train_step(model, optimizers, scaler, train_loader.next_batch, grad_accum_steps,
+            first_row = (step % steps_per_pass) * step_rows
+            step_tokens = int(train_mask[first_row: first_row + step_rows, 1:].sum())  # the targets it learns
+            train_batches = row_batches(train_tokens, train_mask, B, first_row, device)
+            metrics = train_step(model, optimizers, scaler, lambda: next(train_batches), grad_accum_steps,
                                  step_tokens, args.grad_clip, autocast_ctx)
             metrics = sync_ranks(metrics)  # the step's one host sync: the means over the ranks
             seconds = time.perf_counter() - t0
             # the step's loss judges the weights it started from: a checkpoint of them is kept, or it diverged
             judge_checkpoint(args, step, metrics, saved)
-            log.step(step, {**metrics, **learning_rates}, seconds, train_loader.epoch)  # a line every --log_every steps
+            # a line every --log_every steps, with the pass over the train rows (epoch)
+            log.step(step, {**metrics, **learning_rates}, seconds, step // steps_per_pass)
     except StopRun:
         stop_run(args, state, save)
     end_run(args)
-
 
 # -----------------------------------------------------------------------------
 # Everything below supports main() and its loop: train_gpt2.py's blocks, in its order (tests/sync_shared.py

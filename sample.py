@@ -388,9 +388,9 @@ CHAT_TOKENS = ["<|bos|>", "<|system_start|>", "<|system_end|>", "<|user_start|>"
                "<|assistant_start|>", "<|assistant_end|>",
                # the calculator's, added later: a call the model writes, and the output the tool writes back
                "<|python_start|>", "<|python_end|>", "<|output_start|>", "<|output_end|>"]
-ROLE_TOKENS = {role: (f"<|{role}_start|>", f"<|{role}_end|>") for role in ("system", "user", "assistant")}
-# the parts of an assistant's message besides text (nanochat's): a calculator call and the tool's output
-TOOL_TOKENS = {"python": ("<|python_start|>", "<|python_end|>"),
+# the tokens around each type of part of an assistant's message (nanochat's): text, a calculator call, the tool's
+# output
+PART_TOKENS = {"text": (), "python": ("<|python_start|>", "<|python_end|>"),
                "python_output": ("<|output_start|>", "<|output_end|>")}
 
 
@@ -402,25 +402,24 @@ def get_chat_tokenizer(chat_tokens=CHAT_TOKENS):
 
 def render_conversation(enc, messages):
     """Token ids of a conversation, and a loss mask that is 1 on what the assistant writes and its end token:
-    <|bos|> <|user_start|> text <|user_end|> <|assistant_start|> text <|assistant_end|> ... An assistant's
-    content is text, or a list of nanochat's parts {"type": "text", "python" or "python_output", "text"};
-    a call is learned, the tool's output is not (at chat time the calculator writes it)."""
+    <|bos|> <|user_start|> text <|user_end|> <|assistant_start|> text <|assistant_end|> ... A role is system,
+    user or assistant. A message's content is text, or a list of nanochat's parts {"type": "text", "python" or
+    "python_output", "text"}: a call is learned, the tool's output is not (at chat time the calculator writes
+    it)."""
     ids, mask = [enc.encode_single_token("<|bos|>")], [0]
     for message in messages:
-        start_token, end_token = ROLE_TOKENS[message["role"]]
-        learn = int(message["role"] == "assistant")
-        content = message["content"]
+        role, content = message["role"], message["content"]
+        learn = int(role == "assistant")
         parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
-        ids.append(enc.encode_single_token(start_token))
+        ids.append(enc.encode_single_token(f"<|{role}_start|>"))
         mask.append(0)
         for part in parts:
-            part_ids = enc.encode_ordinary(part["text"])
-            if part["type"] in TOOL_TOKENS:
-                part_start, part_end = (enc.encode_single_token(t) for t in TOOL_TOKENS[part["type"]])
-                part_ids = [part_start] + part_ids + [part_end]
+            # the text, between the tokens of its type
+            wrap = [enc.encode_single_token(token) for token in PART_TOKENS[part["type"]]]
+            part_ids = wrap[:1] + enc.encode_ordinary(part["text"]) + wrap[1:]
             ids += part_ids
             mask += [learn * (part["type"] != "python_output")] * len(part_ids)
-        ids.append(enc.encode_single_token(end_token))
+        ids.append(enc.encode_single_token(f"<|{role}_end|>"))
         mask.append(learn)
     return ids, mask
 

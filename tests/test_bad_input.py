@@ -87,9 +87,6 @@ CASES = [
     case("prepare-out_dir-unwritable", "prepare_fineweb.py", "--input", "{tmp}/doc.txt", "--out_dir", "{tmp}/a_file/out",
          expect="--out_dir"),
     case("mid-jsonl-not-utf8", "mid_train.py", *MID, "--data", "chat:{tmp}/latin1.jsonl", expect="latin1.jsonl:2"),
-    case("mid-mmlu-csv-not-utf8", "mid_train.py", *MID, "--data", "mmlu:{tmp}/latin1.csv", expect="latin1.csv:3"),
-    case("mid-mmlu-csv-blank-first-row", "mid_train.py", *MID, "--data", "mmlu:{tmp}/blank_first.csv",
-         expect="blank_first.csv: row 1 is not question"),
     case("prepare-jsonl-not-utf8", "prepare_fineweb.py", "--input", "{tmp}/latin1_text.jsonl", "--out_dir", "{tmp}/p1",
          expect="latin1_text.jsonl:2"),
     case("hellaswag-not-utf8", "hellaswag.py", "--ckpt", "x", "--data_file", "{tmp}/hs_latin1.jsonl",
@@ -106,6 +103,8 @@ CASES = [
          expect="content_number.jsonl:1"),
     case("mid-gsm8k-answer-not-string", "mid_train.py", *MID, "--data", "gsm8k:{tmp}/gsm8k_number.jsonl",
          expect="gsm8k_number.jsonl:1"),
+    case("mid-mmlu-3-choices", "mid_train.py", *MID, "--data", "mmlu:{tmp}/mmlu_3_choices.jsonl",
+         expect="mmlu_3_choices.jsonl:2: not a row of mmlu"),
     case("mid-assistant-first", "mid_train.py", *MID, "--data", "chat:{tmp}/assistant_first.jsonl",
          expect="assistant_first.jsonl:2"),
     case("mid-two-user-turns", "mid_train.py", *MID, "--data", "chat:{tmp}/two_users.jsonl", expect="two_users.jsonl:1"),
@@ -136,10 +135,9 @@ CASES = [
     # ---- found by review
     case("mid-epochs-0", "mid_train.py", *MID, "--data", "chat:{tmp}/ok.jsonl:0", expect="must be 1 or more"),
     case("mid-epochs-neg", "mid_train.py", *MID, "--data", "chat:{tmp}/ok.jsonl:-2", expect="must be 1 or more"),
-    case("mid-val_data-missing", "mid_train.py", *MID, "--data", "chat:{tmp}/ok.jsonl", "--val_data",
-         "gsm8k:{tmp}/missing.jsonl", expect="--val_data gsm8k:"),
+    case("mid-data-missing", "mid_train.py", *MID, "--data", "gsm8k:{tmp}/missing.jsonl", expect="--data gsm8k:"),
     case("mid-nothing-to-learn", "mid_train.py", *MID, "--data", "chat:{tmp}/user_only.jsonl", "--val_fraction", 0.5,
-         "--micro_batch_size", 1, expect="no token to learn"),
+         "--micro_batch_size", 1, expect="with text to learn"),
     case("mid-val_fraction-0", "mid_train.py", "--val_fraction", 0, expect="argument --val_fraction"),
     case("mid-val_fraction-1", "mid_train.py", "--val_fraction", 1, expect="argument --val_fraction"),
     case("mid-all-held-out", "mid_train.py", *MID, "--data", "chat:{tmp}/ok.jsonl", "--val_fraction", 0.9,
@@ -174,11 +172,11 @@ CASES = [
     case("train-init_from-model", "train_gpt2.py", "--init_from", "gpt2", "--model", "gpt2-medium",
          expect="--model does nothing with --init_from"),
     case("train-dry_run-resume", "train_gpt2.py", "--dry_run", "--resume", expect="--resume does nothing with --dry_run"),
-    case("mid-eval_every-0-eval_tokens", "mid_train.py", *MID, "--eval_every", 0, "--eval_tokens", 64,
-         expect="--eval_tokens does nothing with --eval_every 0"),
-    case("mid-val_fraction-every-kind-tested", "mid_train.py", *MID, "--data", "chat:{tmp}/ok.jsonl", "--val_data",
-         "chat:{tmp}/ok.jsonl", "--val_fraction", 0.1,
-         expect="--val_fraction does nothing with a test split for every --data kind"),
+    case("mid-eval_every-0-num_samples", "mid_train.py", *MID, "--eval_every", 0, "--num_samples", 2,
+         expect="--num_samples does nothing with --eval_every 0"),
+    case("mid-val_fraction-no-source-from-files", "mid_train.py", *MID, "--data", "chat:hub",
+         "simplespelling:{tmp}/doc.txt", "--val_fraction", 0.1,
+         expect="--val_fraction does nothing with no --data source read from files"),
     case("mid-dry_run-resume", "mid_train.py", "--init_ckpt", "{tmp}/ckpt.pt", "--dry_run", "--resume",
          expect="--resume does nothing with --dry_run"),
 ]
@@ -231,10 +229,6 @@ def make_files(tmp):
     jsonl(f"{tmp}/user_only.jsonl", [{"messages": hi[:1]}] * 4)
     with open(f"{tmp}/latin1.jsonl", "wb") as f:
         f.write(json.dumps({"messages": hi}).encode() + b"\n" + json.dumps({"messages": hi}).encode()[:-5] + b"caf\xe9\"}]}\n")
-    with open(f"{tmp}/latin1.csv", "wb") as f:
-        f.write(b"question,A,B,C,D,answer\n1+1?,1,2,3,4,B\ncaf\xe9?,a,b,c,d,A\n")
-    with open(f"{tmp}/blank_first.csv", "wb") as f:  # headerless, as hendrycks' files, with an empty first line
-        f.write(b"\n1+1?,1,2,3,4,B\n")
     with open(f"{tmp}/latin1_text.jsonl", "wb") as f:
         f.write(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
     with open(f"{tmp}/latin1.txt", "wb") as f:
@@ -247,6 +241,8 @@ def make_files(tmp):
     jsonl(f"{tmp}/role_list.jsonl", [{"messages": hi}, {"messages": [{"role": ["user"], "content": "hi"}]}])
     jsonl(f"{tmp}/content_number.jsonl", [[{"role": "user", "content": 7}]])
     jsonl(f"{tmp}/gsm8k_number.jsonl", [{"question": "1+1?", "answer": 2}])
+    jsonl(f"{tmp}/mmlu_3_choices.jsonl", [{"question": "1+1?", "choices": list("1234"), "answer": 1},
+                                          {"question": "1+2?", "choices": list("123"), "answer": 2}])
     jsonl(f"{tmp}/assistant_first.jsonl", [{"messages": hi}, {"messages": hi[::-1]}])
     jsonl(f"{tmp}/two_users.jsonl", [[hi[0], hi[0], hi[1]]])
     jsonl(f"{tmp}/system_late.jsonl", [[*hi, {"role": "system", "content": "be brief"}]])

@@ -52,19 +52,19 @@ def test_rendering_round_trips_and_masks_only_the_assistant():
 
 def test_packing_invariants():
     enc = mid_train.get_chat_tokenizer()
-    items = [mid_train.render_conversation(enc, c) for c in conversations(200)]
-    items.append(mid_train.render_conversation(enc, [{"role": "user", "content": "word " * 200},
-                                                     {"role": "assistant", "content": "ok"}]))
+    items = [mid_train.render(enc, c) for c in conversations(200)]
+    items.append(mid_train.render(enc, [{"role": "user", "content": "word " * 200},
+                                        {"role": "assistant", "content": "ok"}]))
     capacity = 65
-    rows, cropped = mid_train.pack_rows(items, capacity)
-    assert cropped == 1
-    used = sorted(i for row in rows for i in row)
-    assert used == list(range(len(items)))  # every conversation exactly once
-    assert all(sum(len(items[i][0]) for i in row) <= capacity for row in rows if len(row) > 1)
-    tokens, mask = mid_train.rows_to_arrays(rows, items, capacity)
+    items = [(ids[:capacity], mask[:capacity]) for ids, mask in items]  # build_data crops them
+    tokens, mask = mid_train.pack_rows(items, capacity, random.Random(0))
+    assert tokens.shape[1] == capacity
     bos = enc.encode_single_token("<|bos|>")
     assert (tokens[:, 0] == bos).all()  # every row starts at a conversation start
-    fills = [sum(len(items[i][0]) for i in row) for row in rows]
+    assert (tokens == bos).sum() == len(items)  # every conversation exactly once
+    assert (tokens != mid_train.EOT_TOKEN).sum() == sum(len(ids) for ids, _ in items)
+    assert mask.sum() == sum(m.sum() for _, m in items)
+    fills = (tokens != mid_train.EOT_TOKEN).sum(1)  # the rest of a row is padding
     assert sum(fill <= capacity // 2 for fill in fills) <= 1  # best fit: at most one row is half empty or less
 
 
@@ -84,11 +84,11 @@ def test_each_epoch_is_packed_on_its_own_into_compact_arrays(tmp_path):
                                "--data", f"chat:{tmp_path / 'a.jsonl'}:2",
                                "--val_fraction", "0.1"])
     enc = mid_train.get_chat_tokenizer()
-    tokens, mask, count, cropped = mid_train.build_data(args, enc, 65)["train"]
+    tokens, mask, count = mid_train.build_data(args, enc, 65)["train"]
     rows = [re.findall(r"about number (\d+)\.", enc.decode(row.tolist())) for row in tokens]
     assert all(len(set(row)) == len(row) for row in rows)  # no row holds two copies of one conversation
     uses = Counter(i for row in rows for i in row)
-    assert len(uses) == 90 and set(uses.values()) == {2} and count == 180 and cropped == 0
+    assert len(uses) == 90 and set(uses.values()) == {2} and count == 180
     assert tokens.dtype == np.uint16 and mask.dtype == bool  # 3 bytes a token, not Python lists
     assert tokens.nbytes + mask.nbytes == 3 * tokens.size
 
@@ -130,7 +130,7 @@ def test_fsdp_with_fewer_val_rows_than_ranks_times_batch_matches_ddp_and_the_ref
     args = mid_train.get_args(list(map(str, [*flags, "--out_dir", tmp_path / "run"])))
     splits = mid_train.build_data(args, mid_train.get_chat_tokenizer(), 65)
     model = mid_train.model_from_checkpoint(mid_train.load_checkpoint(base_ckpt)[0])
-    for (tokens, mask, _, _), logged in ((splits["train"], a[0]), (splits["val"], val_a[0])):
+    for (tokens, mask, _), logged in ((splits["train"], a[0]), (splits["val"], val_a[0])):
         tokens, mask = torch.from_numpy(tokens[:8]).long(), torch.from_numpy(mask[:8])
         with torch.no_grad():
             logits = model(tokens[:, :-1])
@@ -192,7 +192,7 @@ def test_bad_data_names_file_and_line(case, base_ckpt, tmp_path):
     proc = run("mid_train.py", *MID, "--init_ckpt", base_ckpt, "--data", f"chat:{path}", "--out_dir", tmp_path / "o")
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and f"{path}:3" in lines[0], proc.stderr
-    assert {"malformed": "not valid JSON", "unknown_role": "unknown role 'robot'", "empty": "empty"}[case] in lines[0]
+    assert {"malformed": "not valid JSON", "unknown_role": "roles [robot]", "empty": "roles []"}[case] in lines[0]
 
 
 GSM8K_ROW = {"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in "
@@ -203,9 +203,9 @@ GSM8K_ROW = {"question": "Natalia sold clips to 48 of her friends in April, and 
 
 def test_gsm8k_calculator_calls_render_as_tool_calls_with_the_tools_output_masked(tmp_path):
     (tmp_path / "gsm8k.jsonl").write_text(json.dumps(GSM8K_ROW) + "\n")
-    [conversation] = mid_train.load_source("gsm8k", str(tmp_path / "gsm8k.jsonl"))
     enc = mid_train.get_chat_tokenizer()
-    ids, mask = mid_train.render_conversation(enc, conversation)
+    [(ids, mask)] = mid_train.load_source(enc, "gsm8k", str(tmp_path / "gsm8k.jsonl"))
+    ids = ids.tolist()
     call = "<|python_start|>{}<|python_end|><|output_start|>{}<|output_end|>"
     reply = (f"Natalia sold 48/2 = {call.format('48/2', 24)}24 clips in May.\nNatalia sold 48+24 = "
              f"{call.format('48+24', 72)}72 clips altogether in April and May.\n#### 72")
@@ -217,7 +217,7 @@ def test_gsm8k_calculator_calls_render_as_tool_calls_with_the_tools_output_maske
     outputs = [t for t, m in zip(ids, mask) if not m and t >= enc.encode_single_token("<|output_start|>")]
     assert enc.decode(outputs) == "<|output_start|><|output_end|>" * 2
     assert ids[:ids.index(enc.encode_single_token("<|assistant_start|>")) + 1] == mid_train.render_for_reply(
-        enc, conversation[:1])  # the question renders as any user message
+        enc, [{"role": "user", "content": GSM8K_ROW["question"]}])  # the question renders as any user message
 
 
 def write_words(path):
@@ -254,19 +254,20 @@ def test_spelling_tasks_are_nanochats_rows_generated_from_a_word_list_the_same_f
     assert splits["train"][2] == 18 + 30 + 12 and splits["val"][2] == 2
 
 
-def test_val_is_the_test_splits_and_only_a_kind_without_one_holds_out(tmp_path, capsys):
+def test_val_is_a_share_held_out_of_each_source_read_from_files(tmp_path, capsys):
     write_chat(tmp_path / "chat.jsonl", conversations(40))
-    rows = [dict(GSM8K_ROW, question=f"{GSM8K_ROW['question']} ({i})") for i in range(30)]
-    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:20]))
-    (tmp_path / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[20:]))
+    rows = [dict(GSM8K_ROW, question=f"{GSM8K_ROW['question']} ({i})") for i in range(20)]
+    (tmp_path / "gsm8k.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_words(tmp_path / "words.txt")
     args = mid_train.get_args(["--init_from", "gpt2", "--out_dir", str(tmp_path / "run"),
-                               "--data", f"chat:{tmp_path / 'chat.jsonl'}:2",
-                               f"gsm8k:{tmp_path / 'train.jsonl'}", "--val_data", f"gsm8k:{tmp_path / 'test.jsonl'}:4",
-                               "--val_fraction", "0.1"])
-    splits = mid_train.build_data(args, mid_train.get_chat_tokenizer(), 1025)
-    # train: all 20 GSM8K rows, and 36 chats twice; val: 4 of GSM8K's test rows, and the 4 chats held out
-    assert splits["train"][2] == 20 + 36 * 2 and splits["val"][2] == 4 + 4
-    val_text = mid_train.get_chat_tokenizer().decode(splits["val"][0].flatten().tolist())
-    assert len(set(re.findall(r"May\? \((\d+)\)", val_text)) - {str(i) for i in range(20, 30)}) == 0
+                               "--data", f"chat:{tmp_path / 'chat.jsonl'}:2", f"gsm8k:{tmp_path / 'gsm8k.jsonl'}",
+                               f"spellingbee:{tmp_path / 'words.txt'}:12", "--val_fraction", "0.1"])
+    enc = mid_train.get_chat_tokenizer()
+    splits = mid_train.build_data(args, enc, 1025)
+    # train: 36 chats twice, 18 GSM8K rows and 12 generated ones; val: 4 chats and 2 GSM8K rows, none generated
+    assert splits["train"][2] == 36 * 2 + 18 + 12 and splits["val"][2] == 4 + 2
+    train_text, val_text = (enc.decode(splits[name][0].flatten().tolist()) for name in ("train", "val"))
+    val_questions = set(re.findall(r"May\? \((\d+)\)", val_text))
+    assert len(val_questions) == 2 and not val_questions & set(re.findall(r"May\? \((\d+)\)", train_text))
     held_out = [line for line in capsys.readouterr().out.splitlines() if "held out" in line]  # said in a line
-    assert len(held_out) == 1 and "chat.jsonl held out, 4 conversations" in held_out[0], held_out
+    assert len(held_out) == 2 and "chat.jsonl held out, 4 conversations" in held_out[0], held_out

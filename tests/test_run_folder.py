@@ -223,9 +223,10 @@ def test_hellaswag_in_the_loop_stops_at_a_stop_signal():
     assert len(asked) == 2  # after 32 of the 38 batches
 
 
-def test_a_midtraining_step_with_nothing_to_learn_is_skipped(base_ckpt, tmp_path):
-    """Rows of a prompt alone (a long user turn, cropped) have no target: such a step neither logs a loss of 0 nor
-    moves the weights through the optimizer's momentum and decay."""
+def test_a_conversation_left_with_nothing_to_learn_is_left_out_with_a_line(base_ckpt, tmp_path):
+    """A conversation cropped to a prompt alone (a long user turn) has no target: it is left out, and said, so that
+    no row, and no step, has nothing to learn (a step would log a loss of 0 and still move the weights through the
+    optimizer's momentum and decay)."""
     chat = tmp_path / "chat.jsonl"
     with open(chat, "w") as f:
         for i in range(30):
@@ -235,15 +236,17 @@ def test_a_midtraining_step_with_nothing_to_learn_is_skipped(base_ckpt, tmp_path
     proc = run("mid_train.py", "--init_ckpt", base_ckpt, "--out_dir", tmp_path / "mid", "--data", f"chat:{chat}",
                "--device", "cpu", "--dtype", "float32", "--compile", "off", "--micro_batch_size", 1,
                "--num_samples", 0, "--val_fraction", 0.2, "--max_steps", 12, check=True)
-    assert "no token to learn in its rows: skipped" in proc.stdout
+    assert "train: chat:" in proc.stdout and "15 conversations cropped to 65 tokens, 15 left out with no text to " \
+        "learn" in proc.stdout, proc.stdout
+    assert "train: chat:" in proc.stdout and ", 12 conversations x1" in proc.stdout  # 3 of the 15 held out for val
     assert all(r["loss"] > 0 for r in read_log(tmp_path / "mid") if "loss" in r)
-    # a skipped step's rows count in the tokens read (issue 55.5): a row of 64 tokens a step
+    # a row of 64 tokens a step
     assert all(r["tokens"] == (r["step"] + 1) * 64 for r in read_log(tmp_path / "mid") if "loss" in r)
 
 
 def test_val_rows_with_no_text_to_learn_are_one_line(base_ckpt, tmp_path):
-    """Issue 55.5: empty replies leave the val rows only special tokens to learn (no bytes of text): one error line,
-    not a ZeroDivisionError in the val bits per byte."""
+    """Issue 55.5: empty replies leave only special tokens to learn (no bytes of text): such conversations are left
+    out, and with none left one error line says so, not a ZeroDivisionError in the val bits per byte."""
     chat = tmp_path / "chat.jsonl"
     with open(chat, "w") as f:
         for i in range(30):
@@ -253,8 +256,8 @@ def test_val_rows_with_no_text_to_learn_are_one_line(base_ckpt, tmp_path):
                "--device", "cpu", "--dtype", "float32", "--compile", "off", "--micro_batch_size", 2,
                "--num_samples", 0, "--val_fraction", 0.2, "--max_steps", 2)
     lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1 and "no token to learn (no assistant reply, or only special" \
-        in lines[0], proc.stderr
+    assert proc.returncode == 2 and len(lines) == 1 and "0 train rows and 0 val rows of conversations with text to " \
+        "learn" in lines[0], proc.stderr
 
 
 def test_a_new_run_into_a_folder_with_a_log_but_no_checkpoint_keeps_that_log(shards, tmp_path):
