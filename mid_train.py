@@ -102,8 +102,6 @@ def get_args(argv=None):
     p.error = die  # one-line errors, exit code 2
     p.add_argument("--init_ckpt", type=os.path.normpath,
                    help="train_gpt2.py checkpoint to start from (a file or an out_dir)")
-    p.add_argument("--init_from", choices=MODEL_SIZES,
-                   help="start from OpenAI's weights (needs transformers)")
     p.add_argument("--data", nargs="+", default=DEFAULT_DATA,
                    help="sources KIND:PATH[:EPOCHS]; KIND chat (.jsonl of {messages} or bare message "
                         "lists), gsm8k (.jsonl question/answer, with its calculator calls) or mmlu (.jsonl "
@@ -115,42 +113,28 @@ def get_args(argv=None):
                         "train data); a hub source's val is its test split on the hub")
     p.add_argument("--seq_len", type=positive_int,
                    help="tokens per training sequence (default: the model's context length)")
-    p.add_argument("--micro_batch_size", type=positive_int, default=16,
-                   help="sequences per forward pass on each process")
     p.add_argument("--total_batch_size", type=positive_int,
                    help="tokens per optimizer step, over all processes (default: one micro-batch on each)")
     p.add_argument("--max_steps", type=positive_int,
                    help="optimizer steps (default: one pass over the packed train rows)")
-    p.add_argument("--lr", type=positive_float, default=2e-4, help="peak learning rate (AdamW)")
     p.add_argument("--warmdown_frac", type=fraction, default=0.2,
                    help="decay the learning rate linearly to 0 over this last share of the steps")
-    p.add_argument("--weight_decay", type=nonneg_float, default=0.0, help="weight decay on 2-D weights")
     add_optimizer_flags(p, muon_lr=0.005, muon_momentum_warmup=50)
-    p.add_argument("--seed", type=seed_int, default=1337, help="random seed (data order, val split)")
     p.add_argument("--eval_every", type=nonneg_int, default=100,
                    help="val loss and samples every N steps (and at the end; 0: never)")
-    p.add_argument("--num_samples", type=nonneg_int, default=1,
-                   help="samples printed at each eval (0: none)")
-    p.add_argument("--sample_len", type=positive_int, default=64,
-                   help="new tokens per sample (a reply may end sooner)")
-    p.add_argument("--prompt", default="What is the capital of France?",
-                   help="prompt of the in-loop samples (a user message)")
-    p.add_argument("--out_dir", default="out/mid", help="checkpoints, log.jsonl and wandb files go here")
-    p.add_argument("--save_every", type=nonneg_int, default=500,
-                   help="checkpoint every N steps (and at the end, and on a stop signal; 0: never)")
-    add_run_flags(p)
+    # the batch, AdamW, the samples (the prompt: a user's message), the run: the flags of both trainers, with this
+    # one's defaults
+    add_trainer_flags(p, micro_batch_size=16, lr=2e-4, weight_decay=0.0, num_samples=1, sample_len=64,
+                      prompt="What is the capital of France?", out_dir="out/mid", save_every=500)
     p.add_argument("--demo", action="store_true",
                    help="preset: out/demo (train_gpt2.py --demo) midtrained on questions about the Python "
                         "stdlib's functions (data/demo/chat.jsonl, from prepare_fineweb.py --demo) into out/mid, "
                         "offline")
-    args = p.parse_args(argv)
-    if args.demo:  # the preset's values for the flags not given; OpenAI's weights need no --init_ckpt
-        take_defaults(args, argv, {key: value for key, value in DEMO_PRESET.items()
-                                    if not (key == "init_ckpt" and args.init_from)})
     # An out_dir holding checkpoints continues its run. Where it started and its data stay as they were: the
     # train rows a step reads follow from its number.
-    continue_run(args, argv, fixed=("init_ckpt", "init_from", "optimizer", "seed", "val_fraction", "data", "seq_len"),
-                 kind="mid")
+    args = parse_trainer_flags(p, argv, DEMO_PRESET, start_flags=["init_ckpt"],
+                               fixed=("init_ckpt", "init_from", "optimizer", "seed", "val_fraction", "data",
+                                      "seq_len"), kind="mid")
     if not args.resume_checkpoint and (args.init_ckpt is None) == (args.init_from is None):
         die("start from a base checkpoint with --init_ckpt, or from OpenAI's weights with --init_from gpt2")
     if args.demo and args.data == DEMO_PRESET["data"] and not os.path.exists("data/demo/chat.jsonl"):
@@ -160,11 +144,8 @@ def get_args(argv=None):
     # --val_fraction holds out a share of each source read from files
     sources = [parse_source(spec) for spec in args.data]
     from_files = any(path != "hub" and "generate" not in TASKS[kind] for kind, path, _ in sources)
-    refuse_ignored(argv, {"--optimizer adamw": (args.optimizer == "adamw", MUON_FLAGS),
-                           "no --data source read from files": (not from_files, ["val_fraction"]),
-                           "--eval_every 0": (args.eval_every == 0, ["num_samples", "sample_len",
-                                                                     "prompt"]),
-                           "--num_samples 0": (args.num_samples == 0, ["sample_len", "prompt"])})
+    refuse_ignored(argv, {"no --data source read from files": (not from_files, ["val_fraction"]),
+                           "--eval_every 0": (args.eval_every == 0, ["num_samples", "sample_len", "prompt"])})
     return args
 
 
@@ -788,12 +769,9 @@ def main(argv=None):
             # once in a while sample a reply (also at the start: what the base model replies before it learns
             # the format); under FSDP every rank runs the forward passes, as the weights are sharded
             if eval_now and args.num_samples and (master_process or args.fsdp):
-                # the samples' own generator: the training RNG is left alone
-                generator = torch.Generator(device).manual_seed(args.seed + step)
-                prompts = torch.tensor([prompt_ids] * args.num_samples, device=device)
-                samples = sample_tokens(raw_model, prompts, args.sample_len, enc.n_vocab, generator,
-                                        autocast_ctx)
-                for i, sample in enumerate(samples.tolist()):
+                samples = sample_tokens(raw_model, prompt_ids, args.num_samples, args.sample_len, enc.n_vocab,
+                                        args.seed + step, autocast_ctx)
+                for i, sample in enumerate(samples):
                     # up to its end token
                     reply = itertools.takewhile(lambda token: token not in reply_end, sample)
                     print0(f"---- sample {i} ----\nuser: {args.prompt}\nassistant: {enc.decode(list(reply))}",
@@ -1715,9 +1693,13 @@ def sync_ranks(metrics):
 
 # ---- shared: sampling ----
 @torch.no_grad()
-def sample_tokens(model, prompts, new_tokens, n_vocab, generator, autocast_ctx):
-    """new_tokens tokens after each row of prompts, each sampled among the 50 likeliest of the tokenizer's
-    n_vocab (never a padding id). No KV cache: the in-loop samples are short (sample.py has one)."""
+def sample_tokens(model, prompt_ids, num_samples, new_tokens, n_vocab, seed, autocast_ctx):
+    """num_samples lists of new_tokens tokens after prompt_ids, each sampled among the 50 likeliest of the
+    tokenizer's n_vocab (never a padding id), with the samples' own generator: the training RNG is left alone. No
+    KV cache: the in-loop samples are short (sample.py has one)."""
+    device = next(model.parameters()).device
+    generator = torch.Generator(device).manual_seed(seed)
+    prompts = torch.tensor([prompt_ids] * num_samples, device=device)
     tokens = prompts
     for _ in range(new_tokens):
         with autocast_ctx:
@@ -1727,7 +1709,7 @@ def sample_tokens(model, prompts, new_tokens, n_vocab, generator, autocast_ctx):
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))  # top-k: the 50 likeliest
         next_token = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
         tokens = torch.cat([tokens, next_token], dim=1)
-    return tokens[:, prompts.size(1):]
+    return tokens[:, len(prompt_ids):].tolist()
 # ---- end shared: sampling ----
 
 
@@ -1826,9 +1808,46 @@ def refuse_ignored(argv, modes):
         if given:
             die(f"--{given[0]} does nothing with {mode}; drop it")
 # ---- end shared: flags ----
+
+
+# ---- shared: trainer_flags ----
 positive_float, nonneg_float = ranged(float, 0, low_open=True), ranged(float, 0)
 fraction = ranged(float, 0, 1)  # a share or a ratio, 0 to 1
 seed_int = ranged(int, 0, 2**32 - 1)  # what every RNG we seed takes
+
+
+def add_trainer_flags(p, **defaults):
+    """The flags both trainers have besides their model, data and schedule: OpenAI's weights to start from, the
+    batch, AdamW, the seed, the in-loop samples, the out_dir and the run around the loop (add_run_flags).
+    `defaults`: the trainer's own values."""
+    p.add_argument("--init_from", choices=MODEL_SIZES, help="start from OpenAI's weights (needs transformers)")
+    p.add_argument("--micro_batch_size", type=positive_int, help="sequences per forward pass on each process")
+    p.add_argument("--lr", type=positive_float, help="peak learning rate (AdamW)")
+    p.add_argument("--weight_decay", type=nonneg_float, help="weight decay on 2-D weights")
+    p.add_argument("--seed", type=seed_int, default=1337, help="random seed")
+    p.add_argument("--num_samples", type=nonneg_int, help="samples printed at each eval (0: none)")
+    p.add_argument("--sample_len", type=positive_int, help="new tokens per sample")
+    p.add_argument("--prompt", help="prompt of the in-loop samples")
+    p.add_argument("--out_dir", help="checkpoints, log.jsonl and wandb files go here")
+    p.add_argument("--save_every", type=nonneg_int,
+                   help="checkpoint every N steps (and at the end, and on a stop signal; 0: never)")
+    add_run_flags(p)
+    p.set_defaults(**defaults)
+
+
+def parse_trainer_flags(p, argv, preset, start_flags, fixed, kind):
+    """argv parsed once. With --demo the flags not given take the preset's values, but for start_flags when
+    --init_from is given: OpenAI's weights are as they are. An out_dir holding checkpoints continues its run, with
+    the `fixed` flags as they were (continue_run). Muon's flags with AdamW, or the samples' with none, are refused."""
+    args = p.parse_args(argv)
+    if args.demo:
+        take_defaults(args, argv, {key: value for key, value in preset.items()
+                                    if not (args.init_from and key in start_flags)})
+    continue_run(args, argv, fixed, kind)
+    refuse_ignored(argv, {"--optimizer adamw": (args.optimizer == "adamw", MUON_FLAGS),
+                          "--num_samples 0": (args.num_samples == 0, ["sample_len", "prompt"])})
+    return args
+# ---- end shared: trainer_flags ----
 
 
 if __name__ == "__main__":

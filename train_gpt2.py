@@ -77,8 +77,6 @@ def get_args(argv=None):
     for name, gpt2_value in model_flags.items():
         p.add_argument(f"--{name}", type=positive_int,
                        help=f"the model's {name}, if not --model's (gpt2: {gpt2_value})")
-    p.add_argument("--init_from", choices=MODEL_SIZES,
-                   help="start from OpenAI's weights (needs transformers)")
     # data
     p.add_argument("--data_dir", default="data/fineweb-edu-10BT",
                    help="folder of [PREFIX_]train_N / val_N token shards")
@@ -86,49 +84,33 @@ def get_args(argv=None):
                    help="shuffled: shards and their steps in a seeded new order each epoch; sequential: file order")
     p.add_argument("--seq_len", type=positive_int, default=1024,
                    help="tokens per training sequence (at most the context length)")
-    p.add_argument("--micro_batch_size", type=positive_int, default=64,
-                   help="sequences per forward pass on each process")
     p.add_argument("--total_batch_size", type=positive_int, default=524288,
                    help="tokens per optimizer step, over all processes")
     # optimization
     p.add_argument("--max_steps", type=positive_int, default=19073,
                    help="optimizer steps (19073 x 2^19 tokens = 10B)")
     p.add_argument("--warmup_steps", type=nonneg_int, default=715, help="linear learning-rate warm-up steps")
-    p.add_argument("--lr", type=positive_float, default=6e-4, help="peak learning rate (AdamW)")
     p.add_argument("--min_lr_ratio", type=fraction, default=0.1, help="cosine decay ends at lr * this")
-    p.add_argument("--weight_decay", type=nonneg_float, default=0.1, help="weight decay on 2-D weights")
     add_optimizer_flags(p, muon_lr=0.02, muon_momentum_warmup=300)
-    p.add_argument("--seed", type=seed_int, default=1337, help="random seed")
-    # eval and sampling
+    # evals
     p.add_argument("--eval_every", type=nonneg_int, default=250,
                    help="val loss, samples and HellaSwag every N steps (and at the end; 0: never)")
     p.add_argument("--val_tokens", type=positive_int, default=10485760,
                    help="tokens of the val shard each eval reads")
-    p.add_argument("--num_samples", type=nonneg_int, default=4,
-                   help="samples printed at each eval (0: none)")
-    p.add_argument("--sample_len", type=positive_int, default=32, help="new tokens per sample")
-    p.add_argument("--prompt", default="Hello, I'm a language model,", help="prompt of the in-loop samples")
     p.add_argument("--hellaswag_file",
                    help="HellaSwag .jsonl to evaluate at each eval (see hellaswag.py; its first lines: a quicker eval)")
-    # the run: devices, its folder, checkpoints and logs
-    p.add_argument("--out_dir", default="out", help="checkpoints, log.jsonl and wandb files go here")
-    p.add_argument("--save_every", type=nonneg_int, default=1000,
-                   help="checkpoint every N steps (and at the end, and on a stop signal; 0: never)")
-    add_run_flags(p)
+    # the batch, AdamW, the samples, the run: the flags of both trainers, with this one's defaults
+    add_trainer_flags(p, micro_batch_size=64, lr=6e-4, weight_decay=0.1, num_samples=4, sample_len=32,
+                      prompt="Hello, I'm a language model,", out_dir="out", save_every=1000)
     p.add_argument("--demo", action="store_true",
                    help="preset: a small GPT on data/demo (prepare_fineweb.py --demo)")
-    args = p.parse_args(argv)
-    if args.demo:  # the preset's values for the flags not given; OpenAI's weights keep their own shape
-        take_defaults(args, argv, {key: value for key, value in DEMO_PRESET.items()
-                                    if not (args.init_from and key in model_flags)})
     # an out_dir holding checkpoints continues its run; the model, optimizer and data stay as they were
-    continue_run(args, argv, fixed=("model", *model_flags, "init_from", "optimizer", "data_dir"), kind="base")
+    args = parse_trainer_flags(p, argv, DEMO_PRESET, start_flags=model_flags,
+                               fixed=("model", *model_flags, "init_from", "optimizer", "data_dir"), kind="base")
     refuse_ignored(argv, {
-        "--optimizer adamw": (args.optimizer == "adamw", MUON_FLAGS),
         "--eval_every 0": (args.eval_every == 0,
                            ["val_tokens", "num_samples", "sample_len", "prompt", "hellaswag_file"]),
-        "--init_from (OpenAI's model as it is)": (args.init_from is not None, ["model", *model_flags]),
-        "--num_samples 0": (args.num_samples == 0, ["sample_len", "prompt"])})
+        "--init_from (OpenAI's model as it is)": (args.init_from is not None, ["model", *model_flags])})
     return args
 
 
@@ -571,14 +553,11 @@ def main(argv=None):
             # once in a while sample from the model (not at the start: it has learned nothing new yet); under
             # FSDP every rank runs the forward passes, as the weights are sharded
             if eval_now and args.num_samples and step > start_step and (master_process or args.fsdp):
-                # the samples' own generator: the training RNG is left alone
-                generator = torch.Generator(device).manual_seed(args.seed + step)
                 # each sample is a document that starts with the prompt: in the shards <|endoftext|> comes first
                 prompt_ids = [EOT_TOKEN] + enc.encode(args.prompt)
-                prompts = torch.tensor([prompt_ids] * args.num_samples, device=device)
-                samples = sample_tokens(raw_model, prompts, args.sample_len, enc.n_vocab, generator,
-                                        autocast_ctx)
-                for i, sample in enumerate(samples.tolist()):
+                samples = sample_tokens(raw_model, prompt_ids, args.num_samples, args.sample_len, enc.n_vocab,
+                                        args.seed + step, autocast_ctx)
+                for i, sample in enumerate(samples):
                     print0(f"---- sample {i} ----\n{args.prompt}{enc.decode(sample)}")
 
             # once in a while save a checkpoint; the last step only evaluates and saves, it does not train
@@ -1585,9 +1564,13 @@ def evaluate_hellaswag(model, examples, enc, device, batch_size=8, autocast_ctx=
 
 # ---- shared: sampling ----
 @torch.no_grad()
-def sample_tokens(model, prompts, new_tokens, n_vocab, generator, autocast_ctx):
-    """new_tokens tokens after each row of prompts, each sampled among the 50 likeliest of the tokenizer's
-    n_vocab (never a padding id). No KV cache: the in-loop samples are short (sample.py has one)."""
+def sample_tokens(model, prompt_ids, num_samples, new_tokens, n_vocab, seed, autocast_ctx):
+    """num_samples lists of new_tokens tokens after prompt_ids, each sampled among the 50 likeliest of the
+    tokenizer's n_vocab (never a padding id), with the samples' own generator: the training RNG is left alone. No
+    KV cache: the in-loop samples are short (sample.py has one)."""
+    device = next(model.parameters()).device
+    generator = torch.Generator(device).manual_seed(seed)
+    prompts = torch.tensor([prompt_ids] * num_samples, device=device)
     tokens = prompts
     for _ in range(new_tokens):
         with autocast_ctx:
@@ -1597,7 +1580,7 @@ def sample_tokens(model, prompts, new_tokens, n_vocab, generator, autocast_ctx):
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))  # top-k: the 50 likeliest
         next_token = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
         tokens = torch.cat([tokens, next_token], dim=1)
-    return tokens[:, prompts.size(1):]
+    return tokens[:, len(prompt_ids):].tolist()
 # ---- end shared: sampling ----
 
 
@@ -1696,9 +1679,46 @@ def refuse_ignored(argv, modes):
         if given:
             die(f"--{given[0]} does nothing with {mode}; drop it")
 # ---- end shared: flags ----
+
+
+# ---- shared: trainer_flags ----
 positive_float, nonneg_float = ranged(float, 0, low_open=True), ranged(float, 0)
 fraction = ranged(float, 0, 1)  # a share or a ratio, 0 to 1
 seed_int = ranged(int, 0, 2**32 - 1)  # what every RNG we seed takes
+
+
+def add_trainer_flags(p, **defaults):
+    """The flags both trainers have besides their model, data and schedule: OpenAI's weights to start from, the
+    batch, AdamW, the seed, the in-loop samples, the out_dir and the run around the loop (add_run_flags).
+    `defaults`: the trainer's own values."""
+    p.add_argument("--init_from", choices=MODEL_SIZES, help="start from OpenAI's weights (needs transformers)")
+    p.add_argument("--micro_batch_size", type=positive_int, help="sequences per forward pass on each process")
+    p.add_argument("--lr", type=positive_float, help="peak learning rate (AdamW)")
+    p.add_argument("--weight_decay", type=nonneg_float, help="weight decay on 2-D weights")
+    p.add_argument("--seed", type=seed_int, default=1337, help="random seed")
+    p.add_argument("--num_samples", type=nonneg_int, help="samples printed at each eval (0: none)")
+    p.add_argument("--sample_len", type=positive_int, help="new tokens per sample")
+    p.add_argument("--prompt", help="prompt of the in-loop samples")
+    p.add_argument("--out_dir", help="checkpoints, log.jsonl and wandb files go here")
+    p.add_argument("--save_every", type=nonneg_int,
+                   help="checkpoint every N steps (and at the end, and on a stop signal; 0: never)")
+    add_run_flags(p)
+    p.set_defaults(**defaults)
+
+
+def parse_trainer_flags(p, argv, preset, start_flags, fixed, kind):
+    """argv parsed once. With --demo the flags not given take the preset's values, but for start_flags when
+    --init_from is given: OpenAI's weights are as they are. An out_dir holding checkpoints continues its run, with
+    the `fixed` flags as they were (continue_run). Muon's flags with AdamW, or the samples' with none, are refused."""
+    args = p.parse_args(argv)
+    if args.demo:
+        take_defaults(args, argv, {key: value for key, value in preset.items()
+                                    if not (args.init_from and key in start_flags)})
+    continue_run(args, argv, fixed, kind)
+    refuse_ignored(argv, {"--optimizer adamw": (args.optimizer == "adamw", MUON_FLAGS),
+                          "--num_samples 0": (args.num_samples == 0, ["sample_len", "prompt"])})
+    return args
+# ---- end shared: trainer_flags ----
 
 
 if __name__ == "__main__":
