@@ -688,6 +688,9 @@ def main(argv=None):
     else:
         raw_model = gpt_from_pretrained(args.init_from)
     enc = get_chat_tokenizer()
+    if enc.n_vocab > raw_model.config.vocab_size:
+        die(f"the model's vocab of {raw_model.config.vocab_size} has no room for the chat tokens (needs "
+            f"{enc.n_vocab}); start from a model with the padded vocab (train_gpt2.py's default)")
     B = args.micro_batch_size
     T = args.seq_len or raw_model.config.block_size
     if T > raw_model.config.block_size:

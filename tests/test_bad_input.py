@@ -135,6 +135,8 @@ CASES = [
     # ---- found by review
     case("mid-epochs-0", "mid_train.py", *MID, "--data", "chat:{tmp}/ok.jsonl:0", expect="must be 1 or more"),
     case("mid-epochs-neg", "mid_train.py", *MID, "--data", "chat:{tmp}/ok.jsonl:-2", expect="must be 1 or more"),
+    case("mid-unpadded-vocab", "mid_train.py", "--init_ckpt", "{tmp}/ckpt_unpadded.pt", "--device", "cpu", "--out_dir",
+         "{tmp}/mid", "--data", "chat:{tmp}/ok.jsonl", expect="has no room for the chat tokens"),
     case("mid-data-missing", "mid_train.py", *MID, "--data", "gsm8k:{tmp}/missing.jsonl", expect="--data gsm8k:"),
     case("mid-nothing-to-learn", "mid_train.py", *MID, "--data", "chat:{tmp}/user_only.jsonl", "--val_fraction", 0.5,
          "--micro_batch_size", 1, expect="with text to learn"),
@@ -217,6 +219,8 @@ def make_files(tmp):
     json.dump({"shards": shards, "complete": True}, open(f"{tmp}/data_missing/manifest.json", "w"))
     config = GPTConfig(block_size=64, n_layer=1, n_head=2, n_embd=32)
     torch.save({"model": GPT(config).state_dict(), "config": asdict(config)}, f"{tmp}/ckpt.pt")
+    config.vocab_size = 50257  # GPT-2's own vocab, without the padding that holds the chat tokens
+    torch.save({"model": GPT(config).state_dict(), "config": asdict(config)}, f"{tmp}/ckpt_unpadded.pt")
     os.makedirs(f"{tmp}/bad_ckpts/ckpt_0000002.pt")  # a folder named like a checkpoint
     open(f"{tmp}/bad_ckpts/ckpt_0000001.pt", "wb").close()  # an empty file
     open(f"{tmp}/a_file", "w").close()
