@@ -165,10 +165,9 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # query, key and value in one matmul
-        self.c_attn.MUON_PARTS = ("query", "key", "value")
+        self.c_attn.MUON_PARTS = 3  # Muon orthogonalizes the query, key and value maps apart
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.c_proj.NANOGPT_SCALE_INIT = True
-        self.c_proj.MUON_PARTS = ("weight",)
         self.n_head = config.n_head
         self.n_embd = config.n_embd
 
@@ -194,11 +193,9 @@ class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
-        self.c_fc.MUON_PARTS = ("weight",)
         self.gelu = nn.GELU(approximate="tanh")
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
         self.c_proj.NANOGPT_SCALE_INIT = True
-        self.c_proj.MUON_PARTS = ("weight",)
 
     def forward(self, x):
         x = self.c_fc(x)
@@ -418,9 +415,8 @@ def lr_multiplier(step, args):
 def train_step(model, optimizers, scaler, next_batch, grad_accum_steps, step_tokens, grad_clip,
                autocast_ctx):
     """One optimizer step over grad_accum_steps micro-batches. Returns the step's metrics, this rank's part
-    of each as a device scalar (no host sync in here): its loss and gradient norm, and any metric added to
-    them, which the loop averages over the ranks and logs (the step line, log.jsonl, wandb)."""
-    metrics = {}
+    of each as a device scalar (no host sync in here): its loss and gradient norm, which the loop averages
+    over the ranks and logs (the step line, log.jsonl, wandb)."""
     loss_accum = 0.0
     for micro_step in range(grad_accum_steps):
         x, y = next_batch()  # on the device already
@@ -448,8 +444,7 @@ def train_step(model, optimizers, scaler, next_batch, grad_accum_steps, step_tok
         scaler.step(opt)
         opt.zero_grad(set_to_none=True)
     scaler.update()
-    metrics.update(loss=loss_accum, grad_norm=grad_norm)
-    return metrics
+    return dict(loss=loss_accum, grad_norm=grad_norm)
 # ---- end shared: step ----
 
 
@@ -479,7 +474,6 @@ def main(argv=None):
     if rest:
         die(f"--total_batch_size {args.total_batch_size} is not divisible by micro_batch_size * seq_len * "
             f"world_size = {B} * {T} * {world_size}; change --total_batch_size or --micro_batch_size")
-    set_memory_advice(micro_batch_advice(B, T, args.total_batch_size))  # for the out-of-memory line
     take_out_dir(args)
 
     # ---- the model: the checkpoint of the run to continue, OpenAI's weights, or a new one
@@ -672,13 +666,6 @@ def autocast_context(device_type, dtype):
 
 
 # ---- shared: setup ----
-def micro_batch_advice(B, T, total_batch_size):
-    """The out-of-memory line's advice in the trainers: the micro-batch that failed, and what to lower."""
-    return (f"the micro-batch is --micro_batch_size {B} x --seq_len {T}; lower --micro_batch_size (gradient "
-            f"accumulation keeps --total_batch_size {total_batch_size}); if 1 does not fit, the model and its "
-            f"optimizer state do not: a smaller model, or --fsdp over several GPUs")
-
-
 def setup_training(raw_model, args, dtype, device):
     """Sharding, optimizers, DDP and compile, in the order they must happen, for init_distributed's device.
     Returns the module that trains and evaluates (DDP-wrapped and/or compiled), the optimizers, the grad scaler
@@ -768,12 +755,12 @@ def add_optimizer_flags(p, muon_lr, muon_momentum_warmup):
 
 def make_optimizers(model, args, device_type):
     """AdamW (0.9, 0.95) with weight decay on the 2-D weights only; with --optimizer muon, Muon takes the
-    weights of the layers the model marks with MUON_PARTS (the blocks' linear layers), and AdamW keeps the
-    rest (the embedding tied with the head, biases, norms). A group may set its own lr: set_schedule scales
+    weights of the blocks' linear layers (each of MUON_PARTS matrices where a layer sets it, else one), and AdamW
+    keeps the rest (the embedding tied with the head, biases, norms). A group may set its own lr: set_schedule scales
     each group's own peak."""
     muon_layers = []
     if args.optimizer == "muon":
-        muon_layers = [m for m in model.modules() if hasattr(m, "MUON_PARTS")]
+        muon_layers = [m for m in model.transformer.h.modules() if isinstance(m, nn.Linear)]
     muon_params = {m.weight for m in muon_layers}
     adamw_params = [p for p in model.parameters() if p not in muon_params]
     groups = [dict(params=[p for p in adamw_params if p.dim() >= 2], weight_decay=args.weight_decay),
@@ -783,7 +770,7 @@ def make_optimizers(model, args, device_type):
     if muon_layers:
         # A group for each weight, with the number of matrices it stacks (the fused query, key and value: 3): a
         # weight that stacks several is orthogonalized a part at a time.
-        muon_groups = [dict(params=[layer.weight], parts=len(layer.MUON_PARTS)) for layer in muon_layers]
+        muon_groups = [dict(params=[layer.weight], parts=getattr(layer, "MUON_PARTS", 1)) for layer in muon_layers]
         defaults = dict(lr=args.muon_lr, momentum=args.muon_momentum, weight_decay=args.muon_weight_decay)
         optimizers.append(Muon(muon_groups, defaults))
     return optimizers
@@ -849,17 +836,8 @@ def set_schedule(optimizers, multiplier, step, args):
 
 
 # ---- shared: memory ----
-memory_advice = "lower the batch size"  # what the out-of-memory line says to lower; main() names its batch
-
-
-def set_memory_advice(advice):
-    """What the out-of-memory line will say: the batch that failed, and what to lower."""
-    global memory_advice
-    memory_advice = advice
-
-
-def exit_on_out_of_memory(main):
-    """Run main(); running out of memory anywhere in it is one line saying what to lower, exit 2."""
+def exit_on_out_of_memory(main, advice):
+    """Run main(); running out of memory anywhere in it is one line with the advice (what to lower), exit 2."""
     try:
         return main()
     except Exception as e:  # torch's errors say "out of memory", a failed CPU allocation's in a RuntimeError
@@ -870,10 +848,10 @@ def exit_on_out_of_memory(main):
         memory = "GPU" if isinstance(e, torch.OutOfMemoryError) or "CUDA" in str(e) else "CPU"
     # Under torchrun the other ranks wait in a collective that will not come: leave now, torchrun ends them.
     if dist.is_initialized():
-        print(f"error: out of {memory} memory: {memory_advice}", file=sys.stderr, flush=True)
+        print(f"error: out of {memory} memory: {advice}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(2)
-    die(f"out of {memory} memory: {memory_advice}")
+    die(f"out of {memory} memory: {advice}")
 # ---- end shared: memory ----
 
 
@@ -892,23 +870,18 @@ def prepare_out_dir(path):
     # a POSIX lock is the kernel's: it goes with its process (SIGKILL, a crash); the fd stays open till then
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on host {os.uname().nodename}\n".encode(), 0)
     except (BlockingIOError, PermissionError):  # EAGAIN, EACCES: another process holds the lock
-        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a run that is starting"
-        die(f"--out_dir {path} is in use by a running run ({holder}); wait for it to end or stop it, or "
-            f"give another --out_dir")
+        die(f"--out_dir {path} is in use by a running run (lslocks or fuser {path}/.lock names it); wait for it "
+            f"to end or stop it, or give another --out_dir")
     except OSError as e:  # ENOLCK & co: some network file systems
         print(f"--out_dir {path}: this file system cannot lock files ({e.strerror}); a second run into it "
               f"is not refused", file=sys.stderr)
     # Only now, with the lock held, can no live run be saving here: the .tmp files are a killed save's. A
     # *.tmp folder is not a save's (export_hf.py's, which it clears itself) and is left alone.
-    stale = sorted(f for f in glob.glob(os.path.join(glob.escape(path), "*.tmp")) if os.path.isfile(f))
-    for f in stale:
-        os.remove(f)
-    if stale:
-        print(f"removed {len(stale)} stale temp file(s) of a killed save from {path}: "
-              f"{', '.join(os.path.basename(f) for f in stale)}")
+    for tmp in glob.glob(os.path.join(glob.escape(path), "*.tmp")):
+        if os.path.isfile(tmp):
+            os.remove(tmp)
+            print(f"removed {tmp}, the temp file of a killed save")
 # ---- end shared: out_dir ----
 
 
@@ -923,31 +896,24 @@ def checkpoint_files(folder):
 
 
 def load_checkpoint(path, mmap=False):
-    """(checkpoint, its path): a checkpoint file, or the newest readable one in an out_dir, where an
-    unreadable newer one (a truncated, empty or foreign file) is passed over with a line. None readable is a
-    one-line error."""
-    # a file, or the checkpoints in a folder, the newest first
-    candidates = [path] if os.path.isfile(path) else checkpoint_files(path)[::-1]
-    problems = []
-    for candidate in candidates:
-        try:
-            # mmap: a tensor is read from the file only when it is used
-            checkpoint = torch.load(candidate, map_location="cpu", weights_only=True, mmap=mmap)
-            # Ours holds the model and its GPTConfig's fields. Another program's can have keys of these names
-            # (nanoGPT's config is its training flags), and a model edited since may have dropped a field: either
-            # fails here, as a truncated, empty or foreign file fails to load.
-            GPTConfig(**checkpoint["config"])
-            checkpoint["model"]
-        except Exception as e:
-            problems.append(f"{candidate} is not a readable checkpoint, or not a train_gpt2.py/mid_train.py "
-                            f"checkpoint ({e!r})")
-        else:
-            if problems:
-                print0(f"passing over {'; '.join(problems)}; using {candidate}", file=sys.stderr)
-            return checkpoint, candidate
-    die(f"no readable checkpoint at {path} ({'; '.join(problems) or 'none there'}): give a ckpt_*.pt file of "
-        f"train_gpt2.py or mid_train.py, or an out_dir holding one (a run to continue: start afresh in another "
-        f"--out_dir)")
+    """(checkpoint, its path): a checkpoint file, or the newest one in an out_dir. One that does not load (a
+    truncated, empty or foreign file) is a one-line error naming it: checkpoints are written whole, so only damage
+    from outside makes one, and it is moved aside rather than passed over."""
+    if os.path.isdir(path) and checkpoint_files(path):
+        path = checkpoint_files(path)[-1]
+    try:
+        # mmap: a tensor is read from the file only when it is used
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        # Ours holds the model and its GPTConfig's fields. Another program's can have keys of these names
+        # (nanoGPT's config is its training flags), and a model edited since may have dropped a field: either
+        # fails here, as a truncated, empty or foreign file fails to load.
+        GPTConfig(**checkpoint["config"])
+        checkpoint["model"]
+    except Exception as e:
+        die(f"no readable checkpoint at {path} (not a train_gpt2.py/mid_train.py checkpoint, or damaged: {e!r}): "
+            f"give a ckpt_*.pt file of theirs, or an out_dir holding one; move a damaged newest one aside (a run to "
+            f"continue: or start afresh in another --out_dir)")
+    return checkpoint, path
 
 
 def model_from_checkpoint(checkpoint):
@@ -1007,15 +973,14 @@ def continue_run(args, argv, fixed, kind):
     if args.run:
         take_defaults(args, argv, {"out_dir": os.path.join("out", args.run)})
     args.resume_checkpoint = None
+    refuse_ignored(argv, {"--dry_run": (args.dry_run, ["resume"]),
+                          "--save_every 0": (args.save_every == 0, ["keep_checkpoints"])})
     if args.dry_run:
-        if args.resume:
-            die("--resume does nothing with --dry_run, which reads no out_dir; drop it")
         unused = given_flags(argv) & {"out_dir", "run", "save_every", "keep_checkpoints", "wandb_project"}
         if unused:
             print0(f"--dry_run reads and writes no out_dir: --{', --'.join(sorted(unused))} go unused")
         args.out_dir, args.save_every = os.devnull, 0  # a folder that holds nothing and takes nothing
         return
-    refuse_ignored(argv, {"--save_every 0": (args.save_every == 0, ["keep_checkpoints"])})
     if not args.resume and not checkpoint_files(args.out_dir):
         return
     checkpoint, path = load_checkpoint(args.out_dir, mmap=True)  # no tensor is read yet
@@ -1075,12 +1040,10 @@ def restore_run(checkpoint, state, raw_model, optimizers, scaler):
     # hyperparameters (lr...): the old run's would silently override a new --lr.
     our_groups = [group for opt in optimizers for group in opt.param_groups]
     saved_groups = checkpoint["optimizer"]["param_groups"]
-    if len(our_groups) != len(saved_groups):
-        die(f"the checkpoint's optimizers have {len(saved_groups)} parameter groups and this run's "
-            f"{len(our_groups)}: resume with the code and --optimizer that saved it, or start afresh")
-    checkpoint["optimizer"]["param_groups"] = [{**ours, "params": saved["params"]}
-                                               for ours, saved in zip(our_groups, saved_groups)]
     try:
+        # zip(strict=True): another number of groups is a ValueError, as another optimizer's state is
+        checkpoint["optimizer"]["param_groups"] = [{**ours, "params": saved["params"]}
+                                                   for ours, saved in zip(our_groups, saved_groups, strict=True)]
         set_optimizer_state_dict(raw_model, optimizers, checkpoint["optimizer"],
                                  options=StateDictOptions(full_state_dict=True))
     except (KeyError, ValueError, RuntimeError) as e:  # another optimizer, or weights it did not have
@@ -1107,8 +1070,7 @@ def save_checkpoint(raw_model, optimizers, scaler, args, state, kind):
         write_file(path, lambda f: torch.save(checkpoint, f),
                    f"free space in --out_dir {args.out_dir} (or move it), then run the same command again")
         print(f"saved {path}", flush=True)
-    if dist.is_initialized():
-        dist.barrier()
+    # (the other ranks go on: the next step's first collective waits for rank 0's write)
 
 
 def checkpoint_path(out_dir, step):
@@ -1146,8 +1108,7 @@ def judge_checkpoint(args, step, metrics, saved):
 
 def prune_checkpoints(args, step):
     """Keep step's checkpoint and the --keep_checkpoints - 1 before it. They are counted back from step's, not from
-    the newest name: a newer file is a leftover that --resume passed over (unreadable, or past where this run went
-    on from), and pruning by name would delete step's checkpoint instead."""
+    the newest name: a newer file (put there by hand) is neither counted nor deleted."""
     if master_process:
         for path in older_checkpoints(args.out_dir, step)[args.keep_checkpoints - 1:]:
             os.remove(path)
@@ -1724,4 +1685,6 @@ seed_int = ranged(int, 0, 2**32 - 1)  # what every RNG we seed takes
 
 
 if __name__ == "__main__":
-    exit_on_out_of_memory(main)
+    exit_on_out_of_memory(main, "lower --micro_batch_size (gradient accumulation keeps --total_batch_size); if 1 "
+                                "does not fit, the model and its optimizer state do not: a smaller model, or --fsdp "
+                                "over several GPUs")
