@@ -479,9 +479,7 @@ def load_hf_state_dict(model, hf_state):
     """Load the weights of transformers' GPT2LMHeadModel, whose Conv1D layers store weights transposed. A model
     whose weights have other names or shapes than GPT-2's is a one-line error naming one."""
     transposed = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
-    causal_masks = (".attn.bias", ".attn.masked_bias")  # buffers of older transformers, not weights
-    hf_state = {name: value.t() if name.endswith(transposed) else value
-                for name, value in hf_state.items() if not name.endswith(causal_masks)}
+    hf_state = {name: value.t() if name.endswith(transposed) else value for name, value in hf_state.items()}
     # Our embedding, tied with the head, has more rows (it is padded): they start at the mean embedding, which takes
     # almost no probability.
     wte = hf_state["transformer.wte.weight"]

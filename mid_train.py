@@ -751,8 +751,9 @@ def lr_multiplier(step, args):
 def train_step(model, optimizers, scaler, next_batch, grad_accum_steps, step_tokens, grad_clip,
                autocast_ctx):
     """One optimizer step over grad_accum_steps micro-batches. Returns the step's metrics, this rank's part
-    of each as a device scalar (no host sync in here): its loss and gradient norm, which the loop averages
-    over the ranks and logs (the step line, log.jsonl, wandb)."""
+    of each as a device scalar (no host sync in here): its loss and gradient norm, and any metric added to
+    them, which the loop averages over the ranks and logs (the step line, log.jsonl, wandb)."""
+    metrics = {}
     loss_accum = 0.0
     for micro_step in range(grad_accum_steps):
         x, y = next_batch()  # on the device already
@@ -780,7 +781,8 @@ def train_step(model, optimizers, scaler, next_batch, grad_accum_steps, step_tok
         scaler.step(opt)
         opt.zero_grad(set_to_none=True)
     scaler.update()
-    return dict(loss=loss_accum, grad_norm=grad_norm)
+    metrics.update(loss=loss_accum, grad_norm=grad_norm)
+    return metrics
 # ---- end shared: step ----
 
 
@@ -1063,7 +1065,9 @@ def setup_line(raw_model, args, device, dtype):
     if world_size > 1:
         parallelism = "FSDP" if args.fsdp else "DDP"
     grad_accum_steps = args.total_batch_size // (args.micro_batch_size * args.seq_len * world_size)
-    line = (f"{num_params(raw_model):,} parameters, {parameter_mib(raw_model):.1f} MiB of them per rank "
+    # this rank's parameter memory: all of it under DDP, its shard under FSDP
+    rank_mib = sum(p.to_local().nbytes if hasattr(p, "to_local") else p.nbytes for p in raw_model.parameters()) / 2**20
+    line = (f"{num_params(raw_model):,} parameters, {rank_mib:.1f} MiB of them per rank "
             f"({parallelism}) | {device} {str(dtype).removeprefix('torch.')} | {args.max_steps} steps of "
             f"{args.total_batch_size:,} tokens = {grad_accum_steps} x {args.micro_batch_size} x {args.seq_len} x "
             f"{world_size}")
@@ -1074,11 +1078,6 @@ def setup_line(raw_model, args, device, dtype):
 
 def num_params(model):
     return sum(p.numel() for p in model.parameters())
-
-
-def parameter_mib(model):
-    """This rank's parameter memory: all of it under DDP, its shard under FSDP."""
-    return sum(p.to_local().nbytes if hasattr(p, "to_local") else p.nbytes for p in model.parameters()) / 2**20
 # ---- end shared: setup ----
 
 
@@ -1504,9 +1503,7 @@ def load_hf_state_dict(model, hf_state):
     """Load the weights of transformers' GPT2LMHeadModel, whose Conv1D layers store weights transposed. A model
     whose weights have other names or shapes than GPT-2's is a one-line error naming one."""
     transposed = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
-    causal_masks = (".attn.bias", ".attn.masked_bias")  # buffers of older transformers, not weights
-    hf_state = {name: value.t() if name.endswith(transposed) else value
-                for name, value in hf_state.items() if not name.endswith(causal_masks)}
+    hf_state = {name: value.t() if name.endswith(transposed) else value for name, value in hf_state.items()}
     # Our embedding, tied with the head, has more rows (it is padded): they start at the mean embedding, which takes
     # almost no probability.
     wte = hf_state["transformer.wte.weight"]
