@@ -1323,14 +1323,15 @@ def continue_run(args, argv, fixed, kind):
     if args.run:
         take_defaults(args, argv, {"out_dir": os.path.join("out", args.run)})
     args.resume_checkpoint = None
-    refuse_ignored(argv, {"--dry_run": (args.dry_run, ["resume"]),
-                          "--save_every 0": (args.save_every == 0, ["keep_checkpoints"])})
     if args.dry_run:
+        if args.resume:
+            die("--resume does nothing with --dry_run, which reads no out_dir; drop it")
         unused = given_flags(argv) & {"out_dir", "run", "save_every", "keep_checkpoints", "wandb_project"}
         if unused:
             print0(f"--dry_run reads and writes no out_dir: --{', --'.join(sorted(unused))} go unused")
         args.out_dir, args.save_every = os.devnull, 0  # a folder that holds nothing and takes nothing
         return
+    refuse_ignored(argv, {"--save_every 0": (args.save_every == 0, ["keep_checkpoints"])})
     if not args.resume and not checkpoint_files(args.out_dir):
         return
     checkpoint, path = load_checkpoint(args.out_dir, mmap=True)  # no tensor is read yet
