@@ -332,10 +332,9 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # query, key and value in one matmul
-        self.c_attn.MUON_PARTS = ("query", "key", "value")
+        self.c_attn.MUON_PARTS = 3  # Muon orthogonalizes the query, key and value maps apart
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.c_proj.NANOGPT_SCALE_INIT = True
-        self.c_proj.MUON_PARTS = ("weight",)
         self.n_head = config.n_head
         self.n_embd = config.n_embd
 
@@ -361,11 +360,9 @@ class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
-        self.c_fc.MUON_PARTS = ("weight",)
         self.gelu = nn.GELU(approximate="tanh")
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
         self.c_proj.NANOGPT_SCALE_INIT = True
-        self.c_proj.MUON_PARTS = ("weight",)
 
     def forward(self, x):
         x = self.c_fc(x)
@@ -444,31 +441,24 @@ def checkpoint_files(folder):
 
 
 def load_checkpoint(path, mmap=False):
-    """(checkpoint, its path): a checkpoint file, or the newest readable one in an out_dir, where an
-    unreadable newer one (a truncated, empty or foreign file) is passed over with a line. None readable is a
-    one-line error."""
-    # a file, or the checkpoints in a folder, the newest first
-    candidates = [path] if os.path.isfile(path) else checkpoint_files(path)[::-1]
-    problems = []
-    for candidate in candidates:
-        try:
-            # mmap: a tensor is read from the file only when it is used
-            checkpoint = torch.load(candidate, map_location="cpu", weights_only=True, mmap=mmap)
-            # Ours holds the model and its GPTConfig's fields. Another program's can have keys of these names
-            # (nanoGPT's config is its training flags), and a model edited since may have dropped a field: either
-            # fails here, as a truncated, empty or foreign file fails to load.
-            GPTConfig(**checkpoint["config"])
-            checkpoint["model"]
-        except Exception as e:
-            problems.append(f"{candidate} is not a readable checkpoint, or not a train_gpt2.py/mid_train.py "
-                            f"checkpoint ({e!r})")
-        else:
-            if problems:
-                print0(f"passing over {'; '.join(problems)}; using {candidate}", file=sys.stderr)
-            return checkpoint, candidate
-    die(f"no readable checkpoint at {path} ({'; '.join(problems) or 'none there'}): give a ckpt_*.pt file of "
-        f"train_gpt2.py or mid_train.py, or an out_dir holding one (a run to continue: start afresh in another "
-        f"--out_dir)")
+    """(checkpoint, its path): a checkpoint file, or the newest one in an out_dir. One that does not load (a
+    truncated, empty or foreign file) is a one-line error naming it: checkpoints are written whole, so only damage
+    from outside makes one, and it is moved aside rather than passed over."""
+    if os.path.isdir(path) and checkpoint_files(path):
+        path = checkpoint_files(path)[-1]
+    try:
+        # mmap: a tensor is read from the file only when it is used
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        # Ours holds the model and its GPTConfig's fields. Another program's can have keys of these names
+        # (nanoGPT's config is its training flags), and a model edited since may have dropped a field: either
+        # fails here, as a truncated, empty or foreign file fails to load.
+        GPTConfig(**checkpoint["config"])
+        checkpoint["model"]
+    except Exception as e:
+        die(f"no readable checkpoint at {path} (not a train_gpt2.py/mid_train.py checkpoint, or damaged: {e!r}): "
+            f"give a ckpt_*.pt file of theirs, or an out_dir holding one; move a damaged newest one aside (a run to "
+            f"continue: or start afresh in another --out_dir)")
+    return checkpoint, path
 
 
 def model_from_checkpoint(checkpoint):

@@ -202,8 +202,6 @@ def main(argv=None):
         dist.barrier()
     path = hellaswag_file(args)
     examples = load_hellaswag(path, args.limit)
-    set_memory_advice(f"a batch is --batch_size {args.batch_size} examples (4 rows each); lower --batch_size, or "
-                     f"give --cast_weights (weights in --dtype) or --device cpu")
     if not examples:
         die(f"{path} holds no examples")
     if args.hf:
@@ -363,10 +361,9 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # query, key and value in one matmul
-        self.c_attn.MUON_PARTS = ("query", "key", "value")
+        self.c_attn.MUON_PARTS = 3  # Muon orthogonalizes the query, key and value maps apart
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.c_proj.NANOGPT_SCALE_INIT = True
-        self.c_proj.MUON_PARTS = ("weight",)
         self.n_head = config.n_head
         self.n_embd = config.n_embd
 
@@ -392,11 +389,9 @@ class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
-        self.c_fc.MUON_PARTS = ("weight",)
         self.gelu = nn.GELU(approximate="tanh")
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
         self.c_proj.NANOGPT_SCALE_INIT = True
-        self.c_proj.MUON_PARTS = ("weight",)
 
     def forward(self, x):
         x = self.c_fc(x)
@@ -484,9 +479,7 @@ def load_hf_state_dict(model, hf_state):
     """Load the weights of transformers' GPT2LMHeadModel, whose Conv1D layers store weights transposed. A model
     whose weights have other names or shapes than GPT-2's is a one-line error naming one."""
     transposed = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
-    causal_masks = (".attn.bias", ".attn.masked_bias")  # buffers of older transformers, not weights
-    hf_state = {name: value.t() if name.endswith(transposed) else value
-                for name, value in hf_state.items() if not name.endswith(causal_masks)}
+    hf_state = {name: value.t() if name.endswith(transposed) else value for name, value in hf_state.items()}
     # Our embedding, tied with the head, has more rows (it is padded): they start at the mean embedding, which takes
     # almost no probability.
     wte = hf_state["transformer.wte.weight"]
@@ -575,17 +568,8 @@ def autocast_context(device_type, dtype):
 
 
 # ---- shared: memory ----
-memory_advice = "lower the batch size"  # what the out-of-memory line says to lower; main() names its batch
-
-
-def set_memory_advice(advice):
-    """What the out-of-memory line will say: the batch that failed, and what to lower."""
-    global memory_advice
-    memory_advice = advice
-
-
-def exit_on_out_of_memory(main):
-    """Run main(); running out of memory anywhere in it is one line saying what to lower, exit 2."""
+def exit_on_out_of_memory(main, advice):
+    """Run main(); running out of memory anywhere in it is one line with the advice (what to lower), exit 2."""
     try:
         return main()
     except Exception as e:  # torch's errors say "out of memory", a failed CPU allocation's in a RuntimeError
@@ -596,10 +580,10 @@ def exit_on_out_of_memory(main):
         memory = "GPU" if isinstance(e, torch.OutOfMemoryError) or "CUDA" in str(e) else "CPU"
     # Under torchrun the other ranks wait in a collective that will not come: leave now, torchrun ends them.
     if dist.is_initialized():
-        print(f"error: out of {memory} memory: {memory_advice}", file=sys.stderr, flush=True)
+        print(f"error: out of {memory} memory: {advice}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(2)
-    die(f"out of {memory} memory: {memory_advice}")
+    die(f"out of {memory} memory: {advice}")
 # ---- end shared: memory ----
 
 
@@ -614,31 +598,24 @@ def checkpoint_files(folder):
 
 
 def load_checkpoint(path, mmap=False):
-    """(checkpoint, its path): a checkpoint file, or the newest readable one in an out_dir, where an
-    unreadable newer one (a truncated, empty or foreign file) is passed over with a line. None readable is a
-    one-line error."""
-    # a file, or the checkpoints in a folder, the newest first
-    candidates = [path] if os.path.isfile(path) else checkpoint_files(path)[::-1]
-    problems = []
-    for candidate in candidates:
-        try:
-            # mmap: a tensor is read from the file only when it is used
-            checkpoint = torch.load(candidate, map_location="cpu", weights_only=True, mmap=mmap)
-            # Ours holds the model and its GPTConfig's fields. Another program's can have keys of these names
-            # (nanoGPT's config is its training flags), and a model edited since may have dropped a field: either
-            # fails here, as a truncated, empty or foreign file fails to load.
-            GPTConfig(**checkpoint["config"])
-            checkpoint["model"]
-        except Exception as e:
-            problems.append(f"{candidate} is not a readable checkpoint, or not a train_gpt2.py/mid_train.py "
-                            f"checkpoint ({e!r})")
-        else:
-            if problems:
-                print0(f"passing over {'; '.join(problems)}; using {candidate}", file=sys.stderr)
-            return checkpoint, candidate
-    die(f"no readable checkpoint at {path} ({'; '.join(problems) or 'none there'}): give a ckpt_*.pt file of "
-        f"train_gpt2.py or mid_train.py, or an out_dir holding one (a run to continue: start afresh in another "
-        f"--out_dir)")
+    """(checkpoint, its path): a checkpoint file, or the newest one in an out_dir. One that does not load (a
+    truncated, empty or foreign file) is a one-line error naming it: checkpoints are written whole, so only damage
+    from outside makes one, and it is moved aside rather than passed over."""
+    if os.path.isdir(path) and checkpoint_files(path):
+        path = checkpoint_files(path)[-1]
+    try:
+        # mmap: a tensor is read from the file only when it is used
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        # Ours holds the model and its GPTConfig's fields. Another program's can have keys of these names
+        # (nanoGPT's config is its training flags), and a model edited since may have dropped a field: either
+        # fails here, as a truncated, empty or foreign file fails to load.
+        GPTConfig(**checkpoint["config"])
+        checkpoint["model"]
+    except Exception as e:
+        die(f"no readable checkpoint at {path} (not a train_gpt2.py/mid_train.py checkpoint, or damaged: {e!r}): "
+            f"give a ckpt_*.pt file of theirs, or an out_dir holding one; move a damaged newest one aside (a run to "
+            f"continue: or start afresh in another --out_dir)")
+    return checkpoint, path
 
 
 def model_from_checkpoint(checkpoint):
@@ -654,6 +631,7 @@ def model_from_checkpoint(checkpoint):
 
 if __name__ == "__main__":
     try:
-        exit_on_out_of_memory(main)
+        exit_on_out_of_memory(main, "lower --batch_size (examples of 4 rows each a batch), or give --cast_weights "
+                                    "(weights in --dtype) or --device cpu")
     except KeyboardInterrupt:  # Ctrl-C ends the eval: no traceback
         sys.exit(130)

@@ -421,23 +421,18 @@ def prepare_out_dir(path):
     # a POSIX lock is the kernel's: it goes with its process (SIGKILL, a crash); the fd stays open till then
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on host {os.uname().nodename}\n".encode(), 0)
     except (BlockingIOError, PermissionError):  # EAGAIN, EACCES: another process holds the lock
-        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a run that is starting"
-        die(f"--out_dir {path} is in use by a running run ({holder}); wait for it to end or stop it, or "
-            f"give another --out_dir")
+        die(f"--out_dir {path} is in use by a running run (lslocks or fuser {path}/.lock names it); wait for it "
+            f"to end or stop it, or give another --out_dir")
     except OSError as e:  # ENOLCK & co: some network file systems
         print(f"--out_dir {path}: this file system cannot lock files ({e.strerror}); a second run into it "
               f"is not refused", file=sys.stderr)
     # Only now, with the lock held, can no live run be saving here: the .tmp files are a killed save's. A
     # *.tmp folder is not a save's (export_hf.py's, which it clears itself) and is left alone.
-    stale = sorted(f for f in glob.glob(os.path.join(glob.escape(path), "*.tmp")) if os.path.isfile(f))
-    for f in stale:
-        os.remove(f)
-    if stale:
-        print(f"removed {len(stale)} stale temp file(s) of a killed save from {path}: "
-              f"{', '.join(os.path.basename(f) for f in stale)}")
+    for tmp in glob.glob(os.path.join(glob.escape(path), "*.tmp")):
+        if os.path.isfile(tmp):
+            os.remove(tmp)
+            print(f"removed {tmp}, the temp file of a killed save")
 # ---- end shared: out_dir ----
 
 

@@ -147,10 +147,9 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # query, key and value in one matmul
-        self.c_attn.MUON_PARTS = ("query", "key", "value")
+        self.c_attn.MUON_PARTS = 3  # Muon orthogonalizes the query, key and value maps apart
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.c_proj.NANOGPT_SCALE_INIT = True
-        self.c_proj.MUON_PARTS = ("weight",)
         self.n_head = config.n_head
         self.n_embd = config.n_embd
 
@@ -176,11 +175,9 @@ class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
-        self.c_fc.MUON_PARTS = ("weight",)
         self.gelu = nn.GELU(approximate="tanh")
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
         self.c_proj.NANOGPT_SCALE_INIT = True
-        self.c_proj.MUON_PARTS = ("weight",)
 
     def forward(self, x):
         x = self.c_fc(x)
@@ -461,7 +458,6 @@ def main(argv=None):
     if rest:
         die(f"--total_batch_size {args.total_batch_size} is not divisible by micro_batch_size * seq_len * "
             f"world_size = {B} * {T} * {world_size}; change --total_batch_size or --micro_batch_size")
-    set_memory_advice(micro_batch_advice(B, T, args.total_batch_size))  # for the out-of-memory line
     take_out_dir(args)
 
     # ---- the model: the checkpoint of the run to continue, OpenAI's weights, or a new one
@@ -650,13 +646,6 @@ def autocast_context(device_type, dtype):
 
 
 # ---- shared: setup ----
-def micro_batch_advice(B, T, total_batch_size):
-    """The out-of-memory line's advice in the trainers: the micro-batch that failed, and what to lower."""
-    return (f"the micro-batch is --micro_batch_size {B} x --seq_len {T}; lower --micro_batch_size (gradient "
-            f"accumulation keeps --total_batch_size {total_batch_size}); if 1 does not fit, the model and its "
-            f"optimizer state do not: a smaller model, or --fsdp over several GPUs")
-
-
 def setup_training(raw_model, args, dtype, device):
     """Sharding, optimizers, DDP and compile, in the order they must happen, for init_distributed's device.
     Returns the module that trains and evaluates (DDP-wrapped and/or compiled), the optimizers, the grad scaler
@@ -703,7 +692,9 @@ def setup_line(raw_model, args, device, dtype):
     if world_size > 1:
         parallelism = "FSDP" if args.fsdp else "DDP"
     grad_accum_steps = args.total_batch_size // (args.micro_batch_size * args.seq_len * world_size)
-    line = (f"{num_params(raw_model):,} parameters, {parameter_mib(raw_model):.1f} MiB of them per rank "
+    # this rank's parameter memory: all of it under DDP, its shard under FSDP
+    rank_mib = sum(p.to_local().nbytes if hasattr(p, "to_local") else p.nbytes for p in raw_model.parameters()) / 2**20
+    line = (f"{num_params(raw_model):,} parameters, {rank_mib:.1f} MiB of them per rank "
             f"({parallelism}) | {device} {str(dtype).removeprefix('torch.')} | {args.max_steps} steps of "
             f"{args.total_batch_size:,} tokens = {grad_accum_steps} x {args.micro_batch_size} x {args.seq_len} x "
             f"{world_size}")
@@ -714,11 +705,6 @@ def setup_line(raw_model, args, device, dtype):
 
 def num_params(model):
     return sum(p.numel() for p in model.parameters())
-
-
-def parameter_mib(model):
-    """This rank's parameter memory: all of it under DDP, its shard under FSDP."""
-    return sum(p.to_local().nbytes if hasattr(p, "to_local") else p.nbytes for p in model.parameters()) / 2**20
 # ---- end shared: setup ----
 
 
@@ -746,12 +732,12 @@ def add_optimizer_flags(p, muon_lr, muon_momentum_warmup):
 
 def make_optimizers(model, args, device_type):
     """AdamW (0.9, 0.95) with weight decay on the 2-D weights only; with --optimizer muon, Muon takes the
-    weights of the layers the model marks with MUON_PARTS (the blocks' linear layers), and AdamW keeps the
-    rest (the embedding tied with the head, biases, norms). A group may set its own lr: set_schedule scales
+    weights of the blocks' linear layers (each of MUON_PARTS matrices where a layer sets it, else one), and AdamW
+    keeps the rest (the embedding tied with the head, biases, norms). A group may set its own lr: set_schedule scales
     each group's own peak."""
     muon_layers = []
     if args.optimizer == "muon":
-        muon_layers = [m for m in model.modules() if hasattr(m, "MUON_PARTS")]
+        muon_layers = [m for m in model.transformer.h.modules() if isinstance(m, nn.Linear)]
     muon_params = {m.weight for m in muon_layers}
     adamw_params = [p for p in model.parameters() if p not in muon_params]
     groups = [dict(params=[p for p in adamw_params if p.dim() >= 2], weight_decay=args.weight_decay),
@@ -761,7 +747,7 @@ def make_optimizers(model, args, device_type):
     if muon_layers:
         # A group for each weight, with the number of matrices it stacks (the fused query, key and value: 3): a
         # weight that stacks several is orthogonalized a part at a time.
-        muon_groups = [dict(params=[layer.weight], parts=len(layer.MUON_PARTS)) for layer in muon_layers]
+        muon_groups = [dict(params=[layer.weight], parts=getattr(layer, "MUON_PARTS", 1)) for layer in muon_layers]
         defaults = dict(lr=args.muon_lr, momentum=args.muon_momentum, weight_decay=args.muon_weight_decay)
         optimizers.append(Muon(muon_groups, defaults))
     return optimizers
@@ -827,17 +813,8 @@ def set_schedule(optimizers, multiplier, step, args):
 
 
 # ---- shared: memory ----
-memory_advice = "lower the batch size"  # what the out-of-memory line says to lower; main() names its batch
-
-
-def set_memory_advice(advice):
-    """What the out-of-memory line will say: the batch that failed, and what to lower."""
-    global memory_advice
-    memory_advice = advice
-
-
-def exit_on_out_of_memory(main):
-    """Run main(); running out of memory anywhere in it is one line saying what to lower, exit 2."""
+def exit_on_out_of_memory(main, advice):
+    """Run main(); running out of memory anywhere in it is one line with the advice (what to lower), exit 2."""
     try:
         return main()
     except Exception as e:  # torch's errors say "out of memory", a failed CPU allocation's in a RuntimeError
@@ -848,10 +825,10 @@ def exit_on_out_of_memory(main):
         memory = "GPU" if isinstance(e, torch.OutOfMemoryError) or "CUDA" in str(e) else "CPU"
     # Under torchrun the other ranks wait in a collective that will not come: leave now, torchrun ends them.
     if dist.is_initialized():
-        print(f"error: out of {memory} memory: {memory_advice}", file=sys.stderr, flush=True)
+        print(f"error: out of {memory} memory: {advice}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(2)
-    die(f"out of {memory} memory: {memory_advice}")
+    die(f"out of {memory} memory: {advice}")
 # ---- end shared: memory ----
 
 
@@ -870,23 +847,18 @@ def prepare_out_dir(path):
     # a POSIX lock is the kernel's: it goes with its process (SIGKILL, a crash); the fd stays open till then
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on host {os.uname().nodename}\n".encode(), 0)
     except (BlockingIOError, PermissionError):  # EAGAIN, EACCES: another process holds the lock
-        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a run that is starting"
-        die(f"--out_dir {path} is in use by a running run ({holder}); wait for it to end or stop it, or "
-            f"give another --out_dir")
+        die(f"--out_dir {path} is in use by a running run (lslocks or fuser {path}/.lock names it); wait for it "
+            f"to end or stop it, or give another --out_dir")
     except OSError as e:  # ENOLCK & co: some network file systems
         print(f"--out_dir {path}: this file system cannot lock files ({e.strerror}); a second run into it "
               f"is not refused", file=sys.stderr)
     # Only now, with the lock held, can no live run be saving here: the .tmp files are a killed save's. A
     # *.tmp folder is not a save's (export_hf.py's, which it clears itself) and is left alone.
-    stale = sorted(f for f in glob.glob(os.path.join(glob.escape(path), "*.tmp")) if os.path.isfile(f))
-    for f in stale:
-        os.remove(f)
-    if stale:
-        print(f"removed {len(stale)} stale temp file(s) of a killed save from {path}: "
-              f"{', '.join(os.path.basename(f) for f in stale)}")
+    for tmp in glob.glob(os.path.join(glob.escape(path), "*.tmp")):
+        if os.path.isfile(tmp):
+            os.remove(tmp)
+            print(f"removed {tmp}, the temp file of a killed save")
 # ---- end shared: out_dir ----
 
 
@@ -901,31 +873,24 @@ def checkpoint_files(folder):
 
 
 def load_checkpoint(path, mmap=False):
-    """(checkpoint, its path): a checkpoint file, or the newest readable one in an out_dir, where an
-    unreadable newer one (a truncated, empty or foreign file) is passed over with a line. None readable is a
-    one-line error."""
-    # a file, or the checkpoints in a folder, the newest first
-    candidates = [path] if os.path.isfile(path) else checkpoint_files(path)[::-1]
-    problems = []
-    for candidate in candidates:
-        try:
-            # mmap: a tensor is read from the file only when it is used
-            checkpoint = torch.load(candidate, map_location="cpu", weights_only=True, mmap=mmap)
-            # Ours holds the model and its GPTConfig's fields. Another program's can have keys of these names
-            # (nanoGPT's config is its training flags), and a model edited since may have dropped a field: either
-            # fails here, as a truncated, empty or foreign file fails to load.
-            GPTConfig(**checkpoint["config"])
-            checkpoint["model"]
-        except Exception as e:
-            problems.append(f"{candidate} is not a readable checkpoint, or not a train_gpt2.py/mid_train.py "
-                            f"checkpoint ({e!r})")
-        else:
-            if problems:
-                print0(f"passing over {'; '.join(problems)}; using {candidate}", file=sys.stderr)
-            return checkpoint, candidate
-    die(f"no readable checkpoint at {path} ({'; '.join(problems) or 'none there'}): give a ckpt_*.pt file of "
-        f"train_gpt2.py or mid_train.py, or an out_dir holding one (a run to continue: start afresh in another "
-        f"--out_dir)")
+    """(checkpoint, its path): a checkpoint file, or the newest one in an out_dir. One that does not load (a
+    truncated, empty or foreign file) is a one-line error naming it: checkpoints are written whole, so only damage
+    from outside makes one, and it is moved aside rather than passed over."""
+    if os.path.isdir(path) and checkpoint_files(path):
+        path = checkpoint_files(path)[-1]
+    try:
+        # mmap: a tensor is read from the file only when it is used
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        # Ours holds the model and its GPTConfig's fields. Another program's can have keys of these names
+        # (nanoGPT's config is its training flags), and a model edited since may have dropped a field: either
+        # fails here, as a truncated, empty or foreign file fails to load.
+        GPTConfig(**checkpoint["config"])
+        checkpoint["model"]
+    except Exception as e:
+        die(f"no readable checkpoint at {path} (not a train_gpt2.py/mid_train.py checkpoint, or damaged: {e!r}): "
+            f"give a ckpt_*.pt file of theirs, or an out_dir holding one; move a damaged newest one aside (a run to "
+            f"continue: or start afresh in another --out_dir)")
+    return checkpoint, path
 
 
 def model_from_checkpoint(checkpoint):
@@ -1053,12 +1018,10 @@ def restore_run(checkpoint, state, raw_model, optimizers, scaler):
     # hyperparameters (lr...): the old run's would silently override a new --lr.
     our_groups = [group for opt in optimizers for group in opt.param_groups]
     saved_groups = checkpoint["optimizer"]["param_groups"]
-    if len(our_groups) != len(saved_groups):
-        die(f"the checkpoint's optimizers have {len(saved_groups)} parameter groups and this run's "
-            f"{len(our_groups)}: resume with the code and --optimizer that saved it, or start afresh")
-    checkpoint["optimizer"]["param_groups"] = [{**ours, "params": saved["params"]}
-                                               for ours, saved in zip(our_groups, saved_groups)]
     try:
+        # zip(strict=True): another number of groups is a ValueError, as another optimizer's state is
+        checkpoint["optimizer"]["param_groups"] = [{**ours, "params": saved["params"]}
+                                                   for ours, saved in zip(our_groups, saved_groups, strict=True)]
         set_optimizer_state_dict(raw_model, optimizers, checkpoint["optimizer"],
                                  options=StateDictOptions(full_state_dict=True))
     except (KeyError, ValueError, RuntimeError) as e:  # another optimizer, or weights it did not have
@@ -1085,8 +1048,7 @@ def save_checkpoint(raw_model, optimizers, scaler, args, state, kind):
         write_file(path, lambda f: torch.save(checkpoint, f),
                    f"free space in --out_dir {args.out_dir} (or move it), then run the same command again")
         print(f"saved {path}", flush=True)
-    if dist.is_initialized():
-        dist.barrier()
+    # (the other ranks go on: the next step's first collective waits for rank 0's write)
 
 
 def checkpoint_path(out_dir, step):
@@ -1124,8 +1086,7 @@ def judge_checkpoint(args, step, metrics, saved):
 
 def prune_checkpoints(args, step):
     """Keep step's checkpoint and the --keep_checkpoints - 1 before it. They are counted back from step's, not from
-    the newest name: a newer file is a leftover that --resume passed over (unreadable, or past where this run went
-    on from), and pruning by name would delete step's checkpoint instead."""
+    the newest name: a newer file (put there by hand) is neither counted nor deleted."""
     if master_process:
         for path in older_checkpoints(args.out_dir, step)[args.keep_checkpoints - 1:]:
             os.remove(path)
@@ -1170,9 +1131,7 @@ def load_hf_state_dict(model, hf_state):
     """Load the weights of transformers' GPT2LMHeadModel, whose Conv1D layers store weights transposed. A model
     whose weights have other names or shapes than GPT-2's is a one-line error naming one."""
     transposed = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
-    causal_masks = (".attn.bias", ".attn.masked_bias")  # buffers of older transformers, not weights
-    hf_state = {name: value.t() if name.endswith(transposed) else value
-                for name, value in hf_state.items() if not name.endswith(causal_masks)}
+    hf_state = {name: value.t() if name.endswith(transposed) else value for name, value in hf_state.items()}
     # Our embedding, tied with the head, has more rows (it is padded): they start at the mean embedding, which takes
     # almost no probability.
     wte = hf_state["transformer.wte.weight"]
@@ -1722,4 +1681,6 @@ def parse_trainer_flags(p, argv, preset, start_flags, fixed, kind):
 
 
 if __name__ == "__main__":
-    exit_on_out_of_memory(main)
+    exit_on_out_of_memory(main, "lower --micro_batch_size (gradient accumulation keeps --total_batch_size); if 1 "
+                                "does not fit, the model and its optimizer state do not: a smaller model, or --fsdp "
+                                "over several GPUs")

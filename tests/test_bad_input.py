@@ -3,7 +3,7 @@
 A table of bad invocations of all five scripts, each run as a user would run it (the script as __main__, with real
 flags, environment and files): every one must exit with code 2 and print exactly one line on stderr, starting with
 `error:` and naming the problem. Most fail at parse time; the rest need only tiny files made here. Then the
-recoveries: an unreadable newest checkpoint, a half-written log line, stale temp files, a truncated manifest."""
+recoveries: a half-written log line, stale temp files, a truncated manifest."""
 
 import json
 import os
@@ -182,11 +182,6 @@ CASES = [
     case("mid-dry_run-resume", "mid_train.py", "--init_ckpt", "{tmp}/ckpt.pt", "--dry_run", "--resume",
          expect="--resume does nothing with --dry_run"),
 ]
-
-
-def torch_load(path):
-    import torch
-    return torch.load(path, weights_only=True)
 
 
 def write_shard(path, tokens, count=None):
@@ -372,7 +367,9 @@ def resume(run_dir, out_dir):
 
 
 @pytest.mark.parametrize("damage", ["truncated", "empty"])
-def test_resume_passes_over_an_unreadable_newest_checkpoint(run_dir, tmp_path, damage):
+def test_resume_refuses_an_unreadable_newest_checkpoint_in_one_line(run_dir, tmp_path, damage):
+    """Checkpoints are written whole: a damaged newest one is damage from outside, named in one line to be moved
+    aside (it used to be passed over); the folder stays as it was."""
     out = tmp_path / "run"
     shutil.copytree(run_dir / "run", out)
     newest = out / "ckpt_0000004.pt"
@@ -381,27 +378,12 @@ def test_resume_passes_over_an_unreadable_newest_checkpoint(run_dir, tmp_path, d
         newest.write_bytes(data[: len(data) // 2])
     else:
         newest.write_bytes(b"")
+    before = sorted(os.listdir(out))
     proc = resume(run_dir, out)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    notes = [line for line in proc.stderr.splitlines() if "passing over" in line]
-    assert len(notes) == 1 and "ckpt_0000004.pt" in notes[0] and notes[0].endswith("ckpt_0000002.pt"), proc.stderr
-    assert f"resuming from {out / 'ckpt_0000002.pt'} at step 2" in proc.stdout
-    assert max(r["step"] for r in read_log(out)) == 4
-    assert torch_load(newest)["step"] == 4  # the run saved its step-4 checkpoint where the broken one was
-
-
-def test_pruning_never_deletes_the_new_checkpoint_below_a_broken_newer_one(run_dir, tmp_path):
-    """--resume passed over a broken ckpt_4 and went on from ckpt_2: its new ckpt_3 must survive --keep_checkpoints 1
-    (pruning by name used to delete it and keep the broken file), and the broken file is left, not deleted."""
-    out = tmp_path / "run"
-    shutil.copytree(run_dir / "run", out)
-    (out / "ckpt_0000004.pt").write_bytes(b"")
-    proc = run("train_gpt2.py", "--out_dir", out, "--resume", "--max_steps", 3, "--save_every", 1,
-               "--keep_checkpoints", 1)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sorted(os.listdir(out)) == [".lock", "ckpt_0000003.pt", "ckpt_0000004.pt", "log.jsonl",
-                                       "summary.json"]
-    assert torch_load(out / "ckpt_0000003.pt")["step"] == 3
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith("error: no readable checkpoint at") and "ckpt_0000004.pt" in lines[0]
+    assert "aside" in lines[0] and sorted(os.listdir(out)) == before
 
 
 def test_resume_drops_a_half_written_log_line_and_stale_temp_files(run_dir, tmp_path):
@@ -416,7 +398,8 @@ def test_resume_drops_a_half_written_log_line_and_stale_temp_files(run_dir, tmp_
         f.write('{"step": 4, "loss": 5.1, "lr"')
     proc = resume(run_dir, out)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "removed 2 stale temp file(s)" in proc.stdout and "ckpt_0000004.pt.tmp" in proc.stdout
+    removed = [line for line in proc.stdout.splitlines() if line.startswith("removed ")]
+    assert len(removed) == 2 and any("ckpt_0000004.pt.tmp" in line for line in removed), proc.stdout
     assert sorted(p.name for p in out.iterdir()) == [".lock", "ckpt_0000002.pt", "ckpt_0000004.pt", "hf.tmp",
                                                      "log.jsonl", "summary.json"]
     records = read_log(out)  # every line whole again
@@ -436,7 +419,7 @@ def test_prepare_continues_after_a_truncated_manifest(tmp_path):
     proc = run("prepare_fineweb.py", *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "manifest.json is unreadable" in proc.stderr and "Traceback" not in proc.stderr
-    assert "removed 1 stale temp file(s)" in proc.stdout
+    assert "shards_train_000002.bin.tmp, the temp file of a killed save" in proc.stdout
     assert {p.name: p.read_bytes() for p in (tmp_path / "shards").glob("*.bin")} == shards
     assert json.loads((tmp_path / "shards" / "manifest.json").read_text())["complete"] is True
     assert not list((tmp_path / "shards").glob("*.tmp"))

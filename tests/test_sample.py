@@ -82,8 +82,8 @@ def test_prompt_from_stdin_or_the_flag(base_ckpt, tmp_path):
 def test_missing_or_foreign_checkpoint_is_a_one_line_error(tmp_path):
     (tmp_path / "foreign.pt").write_bytes(b"not a checkpoint")
     torch.save({"weights": torch.zeros(3)}, tmp_path / "other.pt")
-    for ckpt, expect in [(tmp_path / "nowhere", "no readable checkpoint at"), (tmp_path / "foreign.pt", "not a readable"),
-                         (tmp_path / "other.pt", "not a train_gpt2.py/mid_train.py checkpoint")]:
+    for ckpt, expect in [(tmp_path / "nowhere", "no readable checkpoint at"), (tmp_path / "foreign.pt", "no readable checkpoint at"),
+                         (tmp_path / "other.pt", "no readable checkpoint at")]:
         proc = run("sample.py", "--ckpt", ckpt)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and expect in lines[0], proc.stderr
