@@ -768,8 +768,9 @@ def main(argv=None):
             # once in a while sample a reply (also at the start: what the base model replies before it learns
             # the format); under FSDP every rank runs the forward passes, as the weights are sharded
             if eval_now and args.num_samples and (master_process or args.fsdp):
+                generator = torch.Generator(device).manual_seed(args.seed + step)  # the training RNG is left alone
                 samples = sample_tokens(raw_model, prompt_ids, args.num_samples, args.sample_len, enc.n_vocab,
-                                        args.seed + step, autocast_ctx)
+                                        generator, autocast_ctx)
                 for i, sample in enumerate(samples):
                     # up to its end token
                     reply = itertools.takewhile(lambda token: token not in reply_end, sample)
@@ -895,8 +896,8 @@ def setup_training(raw_model, args, dtype, device):
         print0("compiling the model (the first step takes a minute or more)", flush=True)
     model = raw_model
     if world_size > 1 and not args.fsdp:
-        # a GPU a process: DDP takes the one the model is on (on a CPU there is none to give)
-        model = DDP(raw_model)
+        # a GPU a process (on a CPU there is none to give)
+        model = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None)
         # Compiled in place, DDP stays a DDP (for its gradient-sync switch), and Dynamo's DDPOptimizer splits
         # the graph at the gradient buckets, so that each bucket's all-reduce overlaps the rest of the
         # backward. Evals run its forward under no_grad, with no gradient sync.
@@ -1655,13 +1656,11 @@ def sync_ranks(metrics):
 
 # ---- shared: sampling ----
 @torch.no_grad()
-def sample_tokens(model, prompt_ids, num_samples, new_tokens, n_vocab, seed, autocast_ctx):
-    """num_samples lists of new_tokens tokens after prompt_ids, each sampled among the 50 likeliest of the
-    tokenizer's n_vocab (never a padding id), with the samples' own generator: the training RNG is left alone. No
-    KV cache: the in-loop samples are short (sample.py has one)."""
-    device = next(model.parameters()).device
-    generator = torch.Generator(device).manual_seed(seed)
-    prompts = torch.tensor([prompt_ids] * num_samples, device=device)
+def sample_tokens(model, prompt_ids, num_samples, new_tokens, n_vocab, generator, autocast_ctx):
+    """num_samples lists of new_tokens tokens after prompt_ids, each sampled with the generator (on the model's
+    device) among the 50 likeliest of the tokenizer's n_vocab (never a padding id). No KV cache: the in-loop
+    samples are short (sample.py has one)."""
+    prompts = torch.tensor([prompt_ids] * num_samples, device=generator.device)
     tokens = prompts
     for _ in range(new_tokens):
         with autocast_ctx:

@@ -66,7 +66,7 @@ def test_train_gpt2_as_typed_on_a_gpu_machine(gpu_run):
     assert read_log(out)[0]["environment"]["variables"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     assert "compiling the model" in proc.stdout.split("step     0/")[0]  # compile auto: on for CUDA, said first
     steps = [line for line in proc.stdout.splitlines() if line.startswith("step ") and "/4 | loss" in line]
-    assert len(steps) == 4 and all("| MFU " in line for line in steps)  # the H100's peak, by the device's name
+    assert len(steps) == 4 and all("| mfu " in line for line in steps)  # the H100's peak, by the device's name
     log = read_log(out)
     assert all(r["peak_mem_gib"] == 0 for r in log if "peak_mem_gib" in r)  # torch.cuda's peak, not the process's RSS
     val = val_losses(out)
@@ -108,7 +108,7 @@ def test_mid_train_sample_hellaswag_and_export_as_typed_on_a_gpu_machine(gpu_run
     proc = run("mid_train.py", "--init_ckpt", base, "--data", f"chat:{tmp_path / 'chat.jsonl'}", "--out_dir", mid,
                "--micro_batch_size", 2, "--seq_len", 64, "--lr", 3e-3, "--val_fraction", 0.1, "--max_steps", 2,
                "--eval_every", 2, "--sample_len", 8, "--compile", "off", env=v100, check=True)
-    assert "| cuda:0 float16 |" in proc.stdout and "| MFU " not in proc.stdout  # a V100 is not in the table
+    assert "| cuda:0 float16 |" in proc.stdout and "| mfu " not in proc.stdout  # a V100 is not in the table
     assert proc.stdout.count("---- sample 0 ----\nuser: ") == 2
     val = val_losses(mid)
     assert val[2] < val[0]
