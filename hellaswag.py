@@ -610,11 +610,14 @@ def load_checkpoint(path, mmap=False):
         # (nanoGPT's config is its training flags), and a model edited since may have dropped a field: either
         # fails here, as a truncated, empty or foreign file fails to load.
         GPTConfig(**checkpoint["config"])
-        checkpoint["model"]
+        if "model" not in checkpoint:
+            raise KeyError("model")
     except Exception as e:
-        die(f"no readable checkpoint at {path} (not a train_gpt2.py/mid_train.py checkpoint, or damaged: {e!r}): "
-            f"give a ckpt_*.pt file of theirs, or an out_dir holding one; move a damaged newest one aside (a run to "
-            f"continue: or start afresh in another --out_dir)")
+        # torch's messages run to several sentences (and advice for a trusted file): the first says what failed
+        reason = (str(e).strip() or type(e).__name__).splitlines()[0].split(". ")[0]
+        die(f"no readable checkpoint at {path} (not a train_gpt2.py/mid_train.py checkpoint, or damaged: {reason}): "
+            f"give a ckpt_*.pt file of theirs, or an out_dir holding one; a damaged newest one: move it aside, or "
+            f"start afresh in another --out_dir")
     return checkpoint, path
 
 
