@@ -43,7 +43,6 @@ import signal
 import string
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
 import numpy as np
