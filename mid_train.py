@@ -29,18 +29,21 @@ The code after main() is train_gpt2.py's, in the same shared blocks, but for Hel
 keeps them equal).
 """
 
-import argparse
 import bisect
-import glob
 import itertools
+import random
+import string
+
+# ---- shared: imports ----
+# what both trainers import (the shared blocks need most of it)
+import argparse
+import glob
 import json
 import math
 import os
 import platform
-import random
 import re
 import signal
-import string
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -52,6 +55,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
+# ---- end shared: imports ----
 
 # ---- shared: ranks ----
 # This process's place among the processes torchrun started. Without torchrun the whole run is rank 0 of 1.
@@ -96,9 +100,11 @@ DEMO_PRESET = dict(
 
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description="Midtrain a GPT-2 checkpoint on conversations (chat format) and tasks.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
-    p.error = die  # one-line errors, exit code 2
+    # the flags of both trainers (OpenAI's weights, the batch, AdamW, the evals and samples, the run), with this
+    # one's defaults (the samples' prompt: a user's message); then its own
+    p = trainer_flags("Midtrain a GPT-2 checkpoint on conversations (chat format) and tasks.", micro_batch_size=16,
+                      lr=2e-4, weight_decay=0.0, eval_every=100, num_samples=1, sample_len=64,
+                      prompt="What is the capital of France?", out_dir="out/mid", save_every=500)
     p.add_argument("--init_ckpt", type=os.path.normpath,
                    help="train_gpt2.py checkpoint to start from (a file or an out_dir)")
     p.add_argument("--data", nargs="+", default=DEFAULT_DATA,
@@ -119,16 +125,6 @@ def get_args(argv=None):
     p.add_argument("--warmdown_frac", type=fraction, default=0.2,
                    help="decay the learning rate linearly to 0 over this last share of the steps")
     add_optimizer_flags(p, muon_lr=0.005, muon_momentum_warmup=50)
-    p.add_argument("--eval_every", type=nonneg_int, default=100,
-                   help="val loss and samples every N steps (and at the end; 0: never)")
-    # the batch, AdamW, the samples (the prompt: a user's message), the run: the flags of both trainers, with this
-    # one's defaults
-    add_trainer_flags(p, micro_batch_size=16, lr=2e-4, weight_decay=0.0, num_samples=1, sample_len=64,
-                      prompt="What is the capital of France?", out_dir="out/mid", save_every=500)
-    p.add_argument("--demo", action="store_true",
-                   help="preset: out/demo (train_gpt2.py --demo) midtrained on questions about the Python "
-                        "stdlib's functions (data/demo/chat.jsonl, from prepare_fineweb.py --demo) into out/mid, "
-                        "offline")
     # An out_dir holding checkpoints continues its run. Where it started and its data stay as they were: the
     # train rows a step reads follow from its number.
     args = parse_trainer_flags(p, argv, DEMO_PRESET, start_flags=["init_ckpt"],
@@ -726,7 +722,6 @@ def main(argv=None):
     # raw_model is what is saved, sampled and scored; model is what trains and evaluates (DDP-wrapped,
     # compiled). With no dropout, the model computes the same in training and evals, so it stays in one mode
     # (a switch would cost torch.compile a recompile).
-    raw_model.to(device)
     dtype = autocast_dtype(args.dtype, device)
     model, optimizers, scaler, autocast_ctx = setup_training(raw_model, args, dtype, device)
     token_bytes = token_byte_counts(enc, raw_model.config.vocab_size, device)  # for val bits per byte
@@ -736,10 +731,8 @@ def main(argv=None):
                  train_seconds=0.0, wandb_run_id=None, chat_tokens=CHAT_TOKENS)
     if checkpoint:
         restore_run(checkpoint, state, raw_model, optimizers, scaler)
-        print0(f"resuming from {args.resume_checkpoint} at step {state['step']}")
     start_step = state["step"]
     log = RunLog(args, state, flops_per_token(raw_model, T), device)
-    print0(setup_line(raw_model, args, device, dtype))
     print0(f"{n_train:,} train conversations (with epochs) in {len(train_tokens):,} rows of {T + 1} tokens; "
            f"{n_val:,} val conversations in {len(val_tokens):,} rows")
 
@@ -767,9 +760,8 @@ def main(argv=None):
             # once in a while sample a reply (also at the start: what the base model replies before it learns
             # the format); under FSDP every rank runs the forward passes, as the weights are sharded
             if eval_now and args.num_samples and (master_process or args.fsdp):
-                generator = torch.Generator(device).manual_seed(args.seed + step)  # the training RNG is left alone
                 samples = sample_tokens(raw_model, prompt_ids, args.num_samples, args.sample_len, enc.n_vocab,
-                                        generator, autocast_ctx)
+                                        args.seed + step, device, autocast_ctx)
                 for i, sample in enumerate(samples):
                     # up to its end token
                     reply = itertools.takewhile(lambda token: token not in reply_end, sample)
@@ -868,9 +860,10 @@ def autocast_context(device_type, dtype):
 
 # ---- shared: setup ----
 def setup_training(raw_model, args, dtype, device):
-    """Sharding, optimizers, DDP and compile, in the order they must happen, for init_distributed's device.
-    Returns the module that trains and evaluates (DDP-wrapped and/or compiled), the optimizers, the grad scaler
-    (float16 only) and the autocast context."""
+    """The model on init_distributed's device, then sharding, optimizers, DDP and compile, in the order they must
+    happen; and the start-up line. Returns the module that trains and evaluates (DDP-wrapped and/or compiled), the
+    optimizers, the grad scaler (float16 only) and the autocast context."""
+    raw_model.to(device)
     device = torch.device(device)
     autocast_ctx = autocast_context(device.type, dtype)
     if args.fsdp:
@@ -904,11 +897,7 @@ def setup_training(raw_model, args, dtype, device):
             model.compile()
     elif compile_model:
         model = torch.compile(raw_model)
-    return model, optimizers, scaler, autocast_ctx
-
-
-def setup_line(raw_model, args, device, dtype):
-    """The start-up line: the model's size, how it is spread over the ranks, the device, dtype and batch."""
+    # the start-up line: the model's size, how it is spread over the ranks, the device, dtype and batch
     parallelism = "one process"
     if world_size > 1:
         parallelism = "FSDP" if args.fsdp else "DDP"
@@ -919,9 +908,10 @@ def setup_line(raw_model, args, device, dtype):
             f"({parallelism}) | {device} {str(dtype).removeprefix('torch.')} | {args.max_steps} steps of "
             f"{args.total_batch_size:,} tokens = {grad_accum_steps} x {args.micro_batch_size} x {args.seq_len} x "
             f"{world_size}")
-    if device.startswith("cuda"):
+    if device.type == "cuda":
         line += f" | PYTORCH_CUDA_ALLOC_CONF={os.environ['PYTORCH_CUDA_ALLOC_CONF']}"
-    return line
+    print0(line)
+    return model, optimizers, scaler, autocast_ctx
 
 
 def num_params(model):
@@ -1189,8 +1179,8 @@ def continue_run(args, argv, fixed, kind):
     if checkpoint.get("kind") != kind:
         die(f"--out_dir {args.out_dir} holds a run of the other script ({checkpoint.get('kind')} checkpoints): "
             f"give this run another --out_dir")
-    if not args.resume:
-        print0(f"--out_dir {args.out_dir} holds a run: continuing it (a new run needs another --out_dir)")
+    print0(f"--out_dir {args.out_dir} holds a run: continuing it from {path}, at step {checkpoint['step']} (a new "
+           f"run needs another --out_dir)")
     saved = dict(checkpoint["args"])
     for key in fixed:  # the model's shape as built: args hold None where --model gave it
         if key in checkpoint["config"]:
@@ -1658,12 +1648,12 @@ def sync_ranks(metrics):
 
 # ---- shared: sampling ----
 @torch.no_grad()
-def sample_tokens(model, prompt_ids, num_samples, new_tokens, n_vocab, generator, autocast_ctx):
-    """num_samples lists of new_tokens tokens after prompt_ids, each sampled with the generator (on the model's
-    device) among the 50 likeliest of the tokenizer's n_vocab (never a padding id). No KV cache: the in-loop
-    samples are short (sample.py has one)."""
-    prompts = torch.tensor([prompt_ids] * num_samples, device=generator.device)
-    tokens = prompts
+def sample_tokens(model, prompt_ids, num_samples, new_tokens, n_vocab, seed, device, autocast_ctx):
+    """num_samples lists of new_tokens tokens after prompt_ids, each sampled among the 50 likeliest of the
+    tokenizer's n_vocab (never a padding id) by a generator of their own on the device, seeded: the training RNG is
+    left alone. No KV cache: the in-loop samples are short (sample.py has one)."""
+    generator = torch.Generator(device).manual_seed(seed)
+    tokens = torch.tensor([prompt_ids] * num_samples, device=device)
     for _ in range(new_tokens):
         with autocast_ctx:
             logits = model(tokens[:, -model.config.block_size:])
@@ -1779,23 +1769,35 @@ fraction = ranged(float, 0, 1)  # a share or a ratio, 0 to 1
 seed_int = ranged(int, 0, 2**32 - 1)  # what every RNG we seed takes
 
 
-def add_trainer_flags(p, **defaults):
-    """The flags both trainers have besides their model, data and schedule: OpenAI's weights to start from, the
-    batch, AdamW, the seed, the in-loop samples, the out_dir and the run around the loop (add_run_flags).
-    `defaults`: the trainer's own values."""
-    p.add_argument("--init_from", choices=MODEL_SIZES, help="start from OpenAI's weights (needs transformers)")
-    p.add_argument("--micro_batch_size", type=positive_int, help="sequences per forward pass on each process")
-    p.add_argument("--lr", type=positive_float, help="peak learning rate (AdamW)")
-    p.add_argument("--weight_decay", type=nonneg_float, help="weight decay on 2-D weights")
-    p.add_argument("--seed", type=seed_int, default=1337, help="random seed")
-    p.add_argument("--num_samples", type=nonneg_int, help="samples printed at each eval (0: none)")
-    p.add_argument("--sample_len", type=positive_int, help="new tokens per sample")
-    p.add_argument("--prompt", help="prompt of the in-loop samples")
-    p.add_argument("--out_dir", help="checkpoints, log.jsonl and wandb files go here")
-    p.add_argument("--save_every", type=nonneg_int,
+def trainer_flags(description, **defaults):
+    """The parser of a trainer's flags, with the flags both trainers have besides their model, data and schedule:
+    OpenAI's weights to start from, the batch, AdamW, the seed, the evals and in-loop samples, --demo, the out_dir
+    and the run around the loop (add_run_flags). `defaults`: the trainer's own values."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                allow_abbrev=False)
+    p.error = die  # one-line errors, exit code 2
+    # --help lists them after the trainer's own
+    shared = p.add_argument_group("the flags of both trainers")
+    shared.add_argument("--init_from", choices=MODEL_SIZES, help="start from OpenAI's weights (needs transformers)")
+    shared.add_argument("--micro_batch_size", type=positive_int, help="sequences per forward pass on each process")
+    shared.add_argument("--lr", type=positive_float, help="peak learning rate (AdamW)")
+    shared.add_argument("--weight_decay", type=nonneg_float, help="weight decay on 2-D weights")
+    shared.add_argument("--seed", type=seed_int, default=1337, help="random seed")
+    shared.add_argument("--eval_every", type=nonneg_int,
+                   help="the evals every N steps (and at the end; 0: never): val loss and samples, and "
+                        "train_gpt2.py's HellaSwag")
+    shared.add_argument("--num_samples", type=nonneg_int, help="samples printed at each eval (0: none)")
+    shared.add_argument("--sample_len", type=positive_int, help="new tokens per sample")
+    shared.add_argument("--prompt", help="prompt of the in-loop samples")
+    shared.add_argument("--out_dir", help="checkpoints, log.jsonl and wandb files go here")
+    shared.add_argument("--save_every", type=nonneg_int,
                    help="checkpoint every N steps (and at the end, and on a stop signal; 0: never)")
-    add_run_flags(p)
+    shared.add_argument("--demo", action="store_true", help="preset: a small run on data/demo (from "
+                                                            "prepare_fineweb.py --demo), minutes on a CPU; the flags "
+                                                            "given still win")
+    add_run_flags(shared)
     p.set_defaults(**defaults)
+    return p
 
 
 def parse_trainer_flags(p, argv, preset, start_flags, fixed, kind):

@@ -12,6 +12,10 @@ with the training loop. After main(), under one banner, comes the code that main
 and its loop call; the banner lists it.
 """
 
+from contextlib import nullcontext
+
+# ---- shared: imports ----
+# what both trainers import (the shared blocks need most of it)
 import argparse
 import glob
 import json
@@ -22,7 +26,6 @@ import re
 import signal
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -32,6 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
+# ---- end shared: imports ----
 
 # ---- shared: ranks ----
 # This process's place among the processes torchrun started. Without torchrun the whole run is rank 0 of 1.
@@ -67,9 +71,11 @@ DEMO_PRESET = dict(
 
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description="Pretrain GPT-2 on token shards (llm.c .bin or uint16 .npy).",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
-    p.error = die  # one-line errors, exit code 2
+    # the flags of both trainers (OpenAI's weights, the batch, AdamW, the evals and samples, the run), with this
+    # one's defaults; then its own
+    p = trainer_flags("Pretrain GPT-2 on token shards (llm.c .bin or uint16 .npy).", micro_batch_size=64,
+                      lr=6e-4, weight_decay=0.1, eval_every=250, num_samples=4, sample_len=32,
+                      prompt="Hello, I'm a language model,", out_dir="out", save_every=1000)
     # model: a size, and a flag for each GPTConfig field (--n_layer, --n_embd...) that overrides that size's
     p.add_argument("--model", default="gpt2", choices=MODEL_SIZES,
                    help="model size to train from scratch")
@@ -93,17 +99,10 @@ def get_args(argv=None):
     p.add_argument("--min_lr_ratio", type=fraction, default=0.1, help="cosine decay ends at lr * this")
     add_optimizer_flags(p, muon_lr=0.02, muon_momentum_warmup=300)
     # evals
-    p.add_argument("--eval_every", type=nonneg_int, default=250,
-                   help="val loss, samples and HellaSwag every N steps (and at the end; 0: never)")
     p.add_argument("--val_tokens", type=positive_int, default=10485760,
                    help="tokens of the val shard each eval reads")
     p.add_argument("--hellaswag_file",
                    help="HellaSwag .jsonl to evaluate at each eval (see hellaswag.py; its first lines: a quicker eval)")
-    # the batch, AdamW, the samples, the run: the flags of both trainers, with this one's defaults
-    add_trainer_flags(p, micro_batch_size=64, lr=6e-4, weight_decay=0.1, num_samples=4, sample_len=32,
-                      prompt="Hello, I'm a language model,", out_dir="out", save_every=1000)
-    p.add_argument("--demo", action="store_true",
-                   help="preset: a small GPT on data/demo (prepare_fineweb.py --demo)")
     # an out_dir holding checkpoints continues its run; the model, optimizer and data stay as they were
     args = parse_trainer_flags(p, argv, DEMO_PRESET, start_flags=model_flags,
                                fixed=("model", *model_flags, "init_from", "optimizer", "data_dir"), kind="base")
@@ -501,7 +500,6 @@ def main(argv=None):
     # raw_model is what is saved, sampled and scored; model is what trains and evaluates (DDP-wrapped,
     # compiled). With no dropout, the model computes the same in training and evals, so it stays in one mode
     # (a switch would cost torch.compile a recompile).
-    raw_model.to(device)
     dtype = autocast_dtype(args.dtype, device)
     model, optimizers, scaler, autocast_ctx = setup_training(raw_model, args, dtype, device)
 
@@ -511,10 +509,8 @@ def main(argv=None):
     if checkpoint:
         restore_run(checkpoint, state, raw_model, optimizers, scaler)
         train_loader.load_state(state["loader"])
-        print0(f"resuming from {args.resume_checkpoint} at step {state['step']}")
     start_step = state["step"]
     log = RunLog(args, state, flops_per_token(raw_model, T), device)
-    print0(setup_line(raw_model, args, device, dtype))
     epoch_tokens = train_loader.num_windows * train_loader.window_tokens
     print0(f"train data: {args.data_order} order, {len(train_files)} shards, an epoch is {epoch_tokens:,} tokens "
            f"= {epoch_tokens / args.total_batch_size:,.1f} steps")
@@ -551,9 +547,8 @@ def main(argv=None):
             if eval_now and args.num_samples and step > start_step and (master_process or args.fsdp):
                 # each sample is a document that starts with the prompt: in the shards <|endoftext|> comes first
                 prompt_ids = [EOT_TOKEN] + enc.encode(args.prompt)
-                generator = torch.Generator(device).manual_seed(args.seed + step)  # the training RNG is left alone
                 samples = sample_tokens(raw_model, prompt_ids, args.num_samples, args.sample_len, enc.n_vocab,
-                                        generator, autocast_ctx)
+                                        args.seed + step, device, autocast_ctx)
                 for i, sample in enumerate(samples):
                     print0(f"---- sample {i} ----\n{args.prompt}{enc.decode(sample)}")
 
@@ -648,9 +643,10 @@ def autocast_context(device_type, dtype):
 
 # ---- shared: setup ----
 def setup_training(raw_model, args, dtype, device):
-    """Sharding, optimizers, DDP and compile, in the order they must happen, for init_distributed's device.
-    Returns the module that trains and evaluates (DDP-wrapped and/or compiled), the optimizers, the grad scaler
-    (float16 only) and the autocast context."""
+    """The model on init_distributed's device, then sharding, optimizers, DDP and compile, in the order they must
+    happen; and the start-up line. Returns the module that trains and evaluates (DDP-wrapped and/or compiled), the
+    optimizers, the grad scaler (float16 only) and the autocast context."""
+    raw_model.to(device)
     device = torch.device(device)
     autocast_ctx = autocast_context(device.type, dtype)
     if args.fsdp:
@@ -684,11 +680,7 @@ def setup_training(raw_model, args, dtype, device):
             model.compile()
     elif compile_model:
         model = torch.compile(raw_model)
-    return model, optimizers, scaler, autocast_ctx
-
-
-def setup_line(raw_model, args, device, dtype):
-    """The start-up line: the model's size, how it is spread over the ranks, the device, dtype and batch."""
+    # the start-up line: the model's size, how it is spread over the ranks, the device, dtype and batch
     parallelism = "one process"
     if world_size > 1:
         parallelism = "FSDP" if args.fsdp else "DDP"
@@ -699,9 +691,10 @@ def setup_line(raw_model, args, device, dtype):
             f"({parallelism}) | {device} {str(dtype).removeprefix('torch.')} | {args.max_steps} steps of "
             f"{args.total_batch_size:,} tokens = {grad_accum_steps} x {args.micro_batch_size} x {args.seq_len} x "
             f"{world_size}")
-    if device.startswith("cuda"):
+    if device.type == "cuda":
         line += f" | PYTORCH_CUDA_ALLOC_CONF={os.environ['PYTORCH_CUDA_ALLOC_CONF']}"
-    return line
+    print0(line)
+    return model, optimizers, scaler, autocast_ctx
 
 
 def num_params(model):
@@ -969,8 +962,8 @@ def continue_run(args, argv, fixed, kind):
     if checkpoint.get("kind") != kind:
         die(f"--out_dir {args.out_dir} holds a run of the other script ({checkpoint.get('kind')} checkpoints): "
             f"give this run another --out_dir")
-    if not args.resume:
-        print0(f"--out_dir {args.out_dir} holds a run: continuing it (a new run needs another --out_dir)")
+    print0(f"--out_dir {args.out_dir} holds a run: continuing it from {path}, at step {checkpoint['step']} (a new "
+           f"run needs another --out_dir)")
     saved = dict(checkpoint["args"])
     for key in fixed:  # the model's shape as built: args hold None where --model gave it
         if key in checkpoint["config"]:
@@ -1527,12 +1520,12 @@ def evaluate_hellaswag(model, examples, enc, device, batch_size=8, autocast_ctx=
 
 # ---- shared: sampling ----
 @torch.no_grad()
-def sample_tokens(model, prompt_ids, num_samples, new_tokens, n_vocab, generator, autocast_ctx):
-    """num_samples lists of new_tokens tokens after prompt_ids, each sampled with the generator (on the model's
-    device) among the 50 likeliest of the tokenizer's n_vocab (never a padding id). No KV cache: the in-loop
-    samples are short (sample.py has one)."""
-    prompts = torch.tensor([prompt_ids] * num_samples, device=generator.device)
-    tokens = prompts
+def sample_tokens(model, prompt_ids, num_samples, new_tokens, n_vocab, seed, device, autocast_ctx):
+    """num_samples lists of new_tokens tokens after prompt_ids, each sampled among the 50 likeliest of the
+    tokenizer's n_vocab (never a padding id) by a generator of their own on the device, seeded: the training RNG is
+    left alone. No KV cache: the in-loop samples are short (sample.py has one)."""
+    generator = torch.Generator(device).manual_seed(seed)
+    tokens = torch.tensor([prompt_ids] * num_samples, device=device)
     for _ in range(new_tokens):
         with autocast_ctx:
             logits = model(tokens[:, -model.config.block_size:])
@@ -1648,23 +1641,35 @@ fraction = ranged(float, 0, 1)  # a share or a ratio, 0 to 1
 seed_int = ranged(int, 0, 2**32 - 1)  # what every RNG we seed takes
 
 
-def add_trainer_flags(p, **defaults):
-    """The flags both trainers have besides their model, data and schedule: OpenAI's weights to start from, the
-    batch, AdamW, the seed, the in-loop samples, the out_dir and the run around the loop (add_run_flags).
-    `defaults`: the trainer's own values."""
-    p.add_argument("--init_from", choices=MODEL_SIZES, help="start from OpenAI's weights (needs transformers)")
-    p.add_argument("--micro_batch_size", type=positive_int, help="sequences per forward pass on each process")
-    p.add_argument("--lr", type=positive_float, help="peak learning rate (AdamW)")
-    p.add_argument("--weight_decay", type=nonneg_float, help="weight decay on 2-D weights")
-    p.add_argument("--seed", type=seed_int, default=1337, help="random seed")
-    p.add_argument("--num_samples", type=nonneg_int, help="samples printed at each eval (0: none)")
-    p.add_argument("--sample_len", type=positive_int, help="new tokens per sample")
-    p.add_argument("--prompt", help="prompt of the in-loop samples")
-    p.add_argument("--out_dir", help="checkpoints, log.jsonl and wandb files go here")
-    p.add_argument("--save_every", type=nonneg_int,
+def trainer_flags(description, **defaults):
+    """The parser of a trainer's flags, with the flags both trainers have besides their model, data and schedule:
+    OpenAI's weights to start from, the batch, AdamW, the seed, the evals and in-loop samples, --demo, the out_dir
+    and the run around the loop (add_run_flags). `defaults`: the trainer's own values."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                allow_abbrev=False)
+    p.error = die  # one-line errors, exit code 2
+    # --help lists them after the trainer's own
+    shared = p.add_argument_group("the flags of both trainers")
+    shared.add_argument("--init_from", choices=MODEL_SIZES, help="start from OpenAI's weights (needs transformers)")
+    shared.add_argument("--micro_batch_size", type=positive_int, help="sequences per forward pass on each process")
+    shared.add_argument("--lr", type=positive_float, help="peak learning rate (AdamW)")
+    shared.add_argument("--weight_decay", type=nonneg_float, help="weight decay on 2-D weights")
+    shared.add_argument("--seed", type=seed_int, default=1337, help="random seed")
+    shared.add_argument("--eval_every", type=nonneg_int,
+                   help="the evals every N steps (and at the end; 0: never): val loss and samples, and "
+                        "train_gpt2.py's HellaSwag")
+    shared.add_argument("--num_samples", type=nonneg_int, help="samples printed at each eval (0: none)")
+    shared.add_argument("--sample_len", type=positive_int, help="new tokens per sample")
+    shared.add_argument("--prompt", help="prompt of the in-loop samples")
+    shared.add_argument("--out_dir", help="checkpoints, log.jsonl and wandb files go here")
+    shared.add_argument("--save_every", type=nonneg_int,
                    help="checkpoint every N steps (and at the end, and on a stop signal; 0: never)")
-    add_run_flags(p)
+    shared.add_argument("--demo", action="store_true", help="preset: a small run on data/demo (from "
+                                                            "prepare_fineweb.py --demo), minutes on a CPU; the flags "
+                                                            "given still win")
+    add_run_flags(shared)
     p.set_defaults(**defaults)
+    return p
 
 
 def parse_trainer_flags(p, argv, preset, start_flags, fixed, kind):

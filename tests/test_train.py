@@ -82,7 +82,7 @@ def test_resume_reproduces_uninterrupted_run(shards, tmp_path):
         group["base_lr"] = 3e-3
     torch.save(checkpoint, resumed / "ckpt_0000006.pt")
     proc = run("train_gpt2.py", *flags, "--out_dir", resumed, "--resume", check=True)
-    assert "resuming from" in proc.stdout
+    assert "continuing it from" in proc.stdout and "at step 6" in proc.stdout
     a, b = train_losses(straight), train_losses(resumed)
     assert sorted(b) == list(range(6, 12))
     assert all(a[s] == b[s] for s in b), (a, b)
