@@ -692,7 +692,7 @@ def setup_training(raw_model, args, dtype, device):
             f"{args.total_batch_size:,} tokens = {grad_accum_steps} x {args.micro_batch_size} x {args.seq_len} x "
             f"{world_size}")
     if device.type == "cuda":
-        line += f" | PYTORCH_CUDA_ALLOC_CONF={os.environ['PYTORCH_CUDA_ALLOC_CONF']}"
+        line += f" | PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF')}"
     print0(line)
     return model, optimizers, scaler, autocast_ctx
 
@@ -1194,7 +1194,9 @@ class RunLog:
                 write_file(self.path, lambda f: f.writelines(kept), "free space in --out_dir or give another one")
             if args.wandb_project:
                 self.start_wandb()
-        self({"step": state["step"], "flags": vars(args), "environment": run_environment(device_name)})
+        # a line that names where they are: the whole record would be a screenful
+        self({"step": state["step"], "flags": vars(args), "environment": run_environment(device_name)},
+             f"the run's flags and environment: the first record of {self.path}")
 
     def start_wandb(self):
         import wandb

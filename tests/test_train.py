@@ -299,7 +299,7 @@ def test_resume_takes_the_checkpoints_flags_and_new_ones_that_are_given(shards, 
     assert "flags changed" not in alone.stdout and train_losses(tmp_path / "alone") == {2: straight[2], 3: straight[3]}
     new_lr = resume("new_lr", "--lr", "1e-3", "--max_steps", 5)
     assert new_lr.returncode == 0, new_lr.stderr
-    assert "resume: flags changed since the checkpoint: max_steps 4 -> 5, lr 0.003 -> 0.001" in new_lr.stdout
+    assert "resume: flags changed since the checkpoint: lr 0.003 -> 0.001, max_steps 4 -> 5" in new_lr.stdout
     log = {r["step"]: r for r in read_log(tmp_path / "new_lr") if "loss" in r}
     assert sorted(log) == [2, 3, 4] and log[3]["loss"] != straight[3]  # trained with the new lr
     from train_gpt2 import get_args, lr_multiplier
