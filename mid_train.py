@@ -733,6 +733,7 @@ def main(argv=None):
         restore_run(checkpoint, state, raw_model, optimizers, scaler)
     start_step = state["step"]
     log = RunLog(args, state, flops_per_token(raw_model, T), device)
+    print0(setup_line(raw_model, args, device, dtype))
     print0(f"{n_train:,} train conversations (with epochs) in {len(train_tokens):,} rows of {T + 1} tokens; "
            f"{n_val:,} val conversations in {len(val_tokens):,} rows")
 
@@ -861,8 +862,8 @@ def autocast_context(device_type, dtype):
 # ---- shared: setup ----
 def setup_training(raw_model, args, dtype, device):
     """The model on init_distributed's device, then sharding, optimizers, DDP and compile, in the order they must
-    happen; and the start-up line. Returns the module that trains and evaluates (DDP-wrapped and/or compiled), the
-    optimizers, the grad scaler (float16 only) and the autocast context."""
+    happen. Returns the module that trains and evaluates (DDP-wrapped and/or compiled), the optimizers, the grad
+    scaler (float16 only) and the autocast context."""
     raw_model.to(device)
     device = torch.device(device)
     autocast_ctx = autocast_context(device.type, dtype)
@@ -897,7 +898,11 @@ def setup_training(raw_model, args, dtype, device):
             model.compile()
     elif compile_model:
         model = torch.compile(raw_model)
-    # the start-up line: the model's size, how it is spread over the ranks, the device, dtype and batch
+    return model, optimizers, scaler, autocast_ctx
+
+
+def setup_line(raw_model, args, device, dtype):
+    """The start-up line: the model's size, how it is spread over the ranks, the device, dtype and batch."""
     parallelism = "one process"
     if world_size > 1:
         parallelism = "FSDP" if args.fsdp else "DDP"
@@ -908,10 +913,9 @@ def setup_training(raw_model, args, dtype, device):
             f"({parallelism}) | {device} {str(dtype).removeprefix('torch.')} | {args.max_steps} steps of "
             f"{args.total_batch_size:,} tokens = {grad_accum_steps} x {args.micro_batch_size} x {args.seq_len} x "
             f"{world_size}")
-    if device.type == "cuda":
-        line += f" | PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF')}"
-    print0(line)
-    return model, optimizers, scaler, autocast_ctx
+    if device.startswith("cuda"):
+        line += f" | PYTORCH_CUDA_ALLOC_CONF={os.environ['PYTORCH_CUDA_ALLOC_CONF']}"
+    return line
 
 
 def num_params(model):
@@ -1179,8 +1183,6 @@ def continue_run(args, argv, fixed, kind):
     if checkpoint.get("kind") != kind:
         die(f"--out_dir {args.out_dir} holds a run of the other script ({checkpoint.get('kind')} checkpoints): "
             f"give this run another --out_dir")
-    print0(f"--out_dir {args.out_dir} holds a run: continuing it from {path}, at step {checkpoint['step']} (a new "
-           f"run needs another --out_dir)")
     saved = dict(checkpoint["args"])
     for key in fixed:  # the model's shape as built: args hold None where --model gave it
         if key in checkpoint["config"]:
@@ -1207,6 +1209,8 @@ def continue_run(args, argv, fixed, kind):
         print0(f"the run in {args.out_dir} is complete (step {args.max_steps}): nothing to train; a higher "
                f"--max_steps goes on, another --out_dir starts a new run")
         sys.exit(0)
+    print0(f"--out_dir {args.out_dir} holds a run: continuing it from {path}, at step {checkpoint['step']} (a new "
+           f"run needs another --out_dir)")
     args.resume_checkpoint = path
 
 
@@ -1411,9 +1415,7 @@ class RunLog:
                 write_file(self.path, lambda f: f.writelines(kept), "free space in --out_dir or give another one")
             if args.wandb_project:
                 self.start_wandb()
-        # a line that names where they are: the whole record would be a screenful
-        self({"step": state["step"], "flags": vars(args), "environment": run_environment(device_name)},
-             f"the run's flags and environment: the first record of {self.path}")
+        self({"step": state["step"], "flags": vars(args), "environment": run_environment(device_name)})
 
     def start_wandb(self):
         import wandb
@@ -1652,7 +1654,7 @@ def sync_ranks(metrics):
 @torch.no_grad()
 def sample_tokens(model, prompt_ids, num_samples, new_tokens, n_vocab, seed, device, autocast_ctx):
     """num_samples lists of new_tokens tokens after prompt_ids, each sampled among the 50 likeliest of the
-    tokenizer's n_vocab (never a padding id) by a generator of their own on the device, seeded: the training RNG is
+    tokenizer's n_vocab (never a padding id) by its own generator on the device, seeded: the training RNG is
     left alone. No KV cache: the in-loop samples are short (sample.py has one)."""
     generator = torch.Generator(device).manual_seed(seed)
     tokens = torch.tensor([prompt_ids] * num_samples, device=device)
@@ -1786,17 +1788,17 @@ def trainer_flags(description, **defaults):
     shared.add_argument("--weight_decay", type=nonneg_float, help="weight decay on 2-D weights")
     shared.add_argument("--seed", type=seed_int, default=1337, help="random seed")
     shared.add_argument("--eval_every", type=nonneg_int,
-                   help="the evals every N steps (and at the end; 0: never): val loss and samples, and "
-                        "train_gpt2.py's HellaSwag")
+                        help="evaluate every N steps (and at the end; 0: never): the val loss and samples, and "
+                             "HellaSwag with train_gpt2.py's --hellaswag_file")
     shared.add_argument("--num_samples", type=nonneg_int, help="samples printed at each eval (0: none)")
     shared.add_argument("--sample_len", type=positive_int, help="new tokens per sample")
     shared.add_argument("--prompt", help="prompt of the in-loop samples")
     shared.add_argument("--out_dir", help="checkpoints, log.jsonl and wandb files go here")
     shared.add_argument("--save_every", type=nonneg_int,
-                   help="checkpoint every N steps (and at the end, and on a stop signal; 0: never)")
-    shared.add_argument("--demo", action="store_true", help="preset: a small run on data/demo (from "
-                                                            "prepare_fineweb.py --demo), minutes on a CPU; the flags "
-                                                            "given still win")
+                        help="checkpoint every N steps (and at the end, and on a stop signal; 0: never)")
+    shared.add_argument("--demo", action="store_true",
+                        help="preset: a small run in minutes on a CPU (the flags given still win): train_gpt2.py "
+                             "trains on data/demo (prepare_fineweb.py --demo), mid_train.py midtrains its out/demo")
     add_run_flags(shared)
     p.set_defaults(**defaults)
     return p
