@@ -253,12 +253,13 @@ def make_files(tmp):
         f.write(json.dumps(example).encode() + b"\n" + json.dumps(example).encode().replace(b"sits", b"s\xe9ts") + b"\n")
 
 
-# Starting Python and importing torch costs ~1.5 s of CPU a process, most of what a parse-time case costs. So one
-# process imports torch once and forks a child per case (two at a time); the child runs the script as __main__ with
-# the case's argv, environment, working folder and stdin, as `python script.py ARGS` would, and exits as it does.
+# Starting Python and importing torch and the scripts' other imports costs ~5 s of CPU a process, most of what a
+# parse-time case costs. So one process imports them once and forks a child per case (two at a time); the child runs
+# the script as __main__ with the case's argv, environment, working folder and stdin, as `python script.py ARGS`
+# would, and exits as it does.
 RUNNER = r"""
 import json, os, runpy, sys, time, traceback
-import numpy, torch
+import numpy, tiktoken, torch, torch.distributed.fsdp
 cases, running, results = json.load(sys.stdin), {}, {}
 def start(name, script, argv, env, workdir):
     pid = os.fork()
