@@ -26,8 +26,8 @@ TINY = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "64
         "--dtype", "float32", "--device", "cpu", "--num_samples", "0", "--val_tokens", "512", "--compile", "off"]
 
 
-# The slowest files, slowest first. pytest-xdist's `--dist loadfile` hands a worker a file at a time, in the order
-# of this list and then of the rest, so that no long file is left to run alone on one core at the end. (By default
+# The slowest files, slowest first. pytest-xdist's `--dist loadfile` hands the workers whole files, in the order of
+# this list and then of the rest, so that no long file is left to run alone on one core at the end. (By default
 # it would order the files by their number of tests, which says little of their time here.)
 SLOWEST_FILES = ["test_train.py", "test_run_folder.py", "test_cuda_rehearsal.py", "test_mid_train.py",
                  "test_pipeline.py", "test_fsdp.py", "test_fork.py", "test_faults.py"]
@@ -47,12 +47,11 @@ def pytest_collection_modifyitems(items):
 # Starting Python and importing torch and the rest of the scripts' imports costs ~5 s of CPU a process: more than
 # most of the tests' tiny runs take to train. So each test worker keeps one Python that has imported them, and forks
 # it for each run() (one at a time): the child takes the run's argv, environment, folder and output files, and runs
-# the script as __main__, so that it ends as `python script ARGS` does (exit code, traceback, atexit, a signal).
-# Unlike fresh processes, the children share the server's hash seed and numpy's global random state: a script's
-# numbers must not depend on either (its own generators are seeded). Tests that signal a run, or start it under
-# torchrun, start fresh processes.
+# the script as __main__, so that it ends as `python script ARGS` does (exit code, atexit, a signal; a traceback
+# with runpy's frames too). Unlike fresh processes, the children share the server's hash seed: a script's numbers
+# must not depend on it. Tests that signal a run, or start it under torchrun, start fresh processes.
 SERVER_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-STARTUP_VARIABLES = ("PYTHON", "OMP_", "KMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH", "CUDA", "LD_")
+STARTUP_VARIABLES = ("PYTHON", "OMP_", "KMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH", "CUDA", "LD_", "TMPDIR")
 FORK_SERVER = r"""
 import json, os, runpy, sys
 import numpy, tiktoken, torch, torch.distributed.fsdp
@@ -86,7 +85,7 @@ _fork_server = None
 
 def forked_run(cmd, env, timeout):
     global _fork_server
-    if _fork_server is None:
+    if _fork_server is None or _fork_server.poll() is not None:  # first use, or the server died (killed for memory)
         _fork_server = subprocess.Popen([sys.executable, "-c", FORK_SERVER], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, text=True, env=SERVER_ENV)
     with tempfile.TemporaryDirectory() as tmp:
@@ -95,10 +94,19 @@ def forked_run(cmd, env, timeout):
         open(err, "w").close()
         _fork_server.stdin.write(json.dumps([cmd, REPO, env, out, err]) + "\n")
         _fork_server.stdin.flush()
-        pid = int(_fork_server.stdout.readline())
-        killer = threading.Timer(timeout, os.killpg, (pid, signal.SIGKILL))  # as subprocess.run's timeout kills
-        killer.start()
-        returncode = int(_fork_server.stdout.readline())
+        pid = None
+        try:
+            pid = int(_fork_server.stdout.readline())
+            killer = threading.Timer(timeout, os.killpg, (pid, signal.SIGKILL))  # as subprocess.run's timeout kills
+            killer.daemon = True
+            killer.start()
+            returncode = int(_fork_server.stdout.readline())
+        except BaseException:  # Ctrl-C: the run, in its own process group, did not get it; the server's replies
+            _fork_server.kill()  # are out of step with the requests from now on
+            _fork_server = None
+            if pid is not None:
+                os.killpg(pid, signal.SIGKILL)
+            raise
         timed_out = not killer.is_alive()
         killer.cancel()
         with open(out) as f_out, open(err) as f_err:
