@@ -203,7 +203,8 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # query, key and value in one matmul
-        self.c_attn.MUON_PARTS = 3  # Muon orthogonalizes the query, key and value maps apart
+        # the rows of the matrices it stacks, query, key and value: Muon orthogonalizes each apart
+        self.c_attn.MUON_PARTS = [config.n_embd] * 3
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.c_proj.NANOGPT_SCALE_INIT = True
         self.n_head = config.n_head
@@ -769,22 +770,29 @@ MUON_FLAGS = ["muon_lr", "muon_momentum", "muon_momentum_warmup", "muon_weight_d
 
 def make_optimizers(model, args, device_type):
     """AdamW (0.9, 0.95) with weight decay on the 2-D weights only; with --optimizer muon, Muon takes the
-    weights of the blocks' linear layers (each of MUON_PARTS matrices where a layer sets it, else one), and AdamW
-    keeps the rest (the embedding tied with the head, biases, norms). A group may set its own lr: set_schedule scales
-    each group's own peak."""
-    muon_layers = []
+    weights of the blocks' linear layers (each as one matrix, or as the matrices a layer's MUON_PARTS lists by their
+    rows), and AdamW keeps the rest (the embedding tied with the head, biases, norms). A group may set its own lr:
+    set_schedule scales each group's own peak."""
+    muon_layers = {}
     if args.optimizer == "muon":
-        muon_layers = [m for m in model.transformer.h.modules() if isinstance(m, nn.Linear)]
-    muon_params = {m.weight for m in muon_layers}
+        muon_layers = {name: m for name, m in model.transformer.h.named_modules() if isinstance(m, nn.Linear)}
+    for name, layer in muon_layers.items():
+        parts = getattr(layer, "MUON_PARTS", [layer.weight.size(0)])
+        if sum(parts) != layer.weight.size(0):  # Muon would orthogonalize the wrong slices, or fail to split
+            die(f"--optimizer muon: the MUON_PARTS {parts} of transformer.h.{name} add up to {sum(parts)} rows, but "
+                f"its weight has {layer.weight.size(0)}: list the rows of each matrix it stacks (with fewer "
+                f"key/value heads: n_embd, then the keys' and the values' width)")
+    muon_params = {m.weight for m in muon_layers.values()}
     adamw_params = [p for p in model.parameters() if p not in muon_params]
     groups = [dict(params=[p for p in adamw_params if p.dim() >= 2], weight_decay=args.weight_decay),
               dict(params=[p for p in adamw_params if p.dim() < 2], weight_decay=0.0)]
     fused = device_type in ("cuda", "cpu")  # one kernel for all parameters: 6x faster than foreach on CPU
     optimizers = [torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=fused)]
     if muon_layers:
-        # A group for each weight, with the number of matrices it stacks (the fused query, key and value: 3): a
-        # weight that stacks several is orthogonalized a part at a time.
-        muon_groups = [dict(params=[layer.weight], parts=getattr(layer, "MUON_PARTS", 1)) for layer in muon_layers]
+        # A group for each weight, with the rows of each matrix it stacks (the fused query, key and value: 3 of
+        # n_embd): a weight that stacks several is orthogonalized a part at a time.
+        muon_groups = [dict(params=[layer.weight], parts=getattr(layer, "MUON_PARTS", [layer.weight.size(0)]))
+                       for layer in muon_layers.values()]
         defaults = dict(lr=args.muon_lr, momentum=args.muon_momentum, weight_decay=args.muon_weight_decay)
         optimizers.append(Muon(muon_groups, defaults))
     return optimizers
@@ -808,13 +816,18 @@ class Muon(torch.optim.Optimizer):
                 buf.lerp_(p.grad, 1 - group["momentum"])
                 update = p.grad.lerp(buf, group["momentum"])  # Nesterov
                 # The attention's fused weight (3C x C) is three C x C maps, Q, K and V: each is
-                # orthogonalized on its own (as modded-nanogpt does), not the stack as one tall matrix.
-                blocks = zeropower_via_newtonschulz5(update.view(group["parts"], -1, p.size(1)))
+                # orthogonalized on its own (as modded-nanogpt does), not the stack as one tall matrix. Parts
+                # of one size go as one batch; grouped-query attention's K and V are fewer rows than Q.
+                parts = group["parts"]
+                if len(set(parts)) == 1:
+                    blocks = zeropower_via_newtonschulz5(update.view(len(parts), -1, p.size(1)))
+                else:
+                    blocks = [zeropower_via_newtonschulz5(part) for part in update.split(parts)]
                 # a tall block is scaled up to the per-entry size of a square one: sqrt(rows / cols), as
                 # modded-nanogpt does
-                scale = max(1, blocks.size(-2) / blocks.size(-1)) ** 0.5
+                update = torch.cat([block * max(1, block.size(-2) / block.size(-1)) ** 0.5 for block in blocks])
                 p.mul_(1 - group["lr"] * group["weight_decay"])  # decoupled weight decay, as AdamW
-                p.add_(blocks.reshape_as(p), alpha=-group["lr"] * scale)
+                p.add_(update, alpha=-group["lr"])
 
 
 def zeropower_via_newtonschulz5(G):
@@ -1337,10 +1350,16 @@ def run_environment(device_name):
 
 
 def flops_per_token(model, seq_len):
-    """Training FLOPs per token: 6 for each weight of a linear layer (a multiply and an add, forward and
-    twice backward), plus attention's 12 * L * d * T (PaLM, app. B); lookups and norms do no matmul."""
-    linear_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
-    return 6 * linear_weights + 12 * model.config.n_layer * model.config.n_embd * seq_len
+    """Training FLOPs per token: 6 for each weight of a linear layer that a token uses (a multiply and an add,
+    forward and twice backward), plus attention's 12 * L * d * T (PaLM, app. B); lookups and norms do no matmul.
+    A module marked FLOPS_SHARE has only that share of its linear weights used by each token (a mixture of experts:
+    top_k / n_experts); marks inside it multiply."""
+    share = {}  # each module's share of its weights that a token uses; a module comes after its parent
+    for name, module in model.named_modules():
+        share[name] = share.get(name.rpartition(".")[0], 1) * getattr(module, "FLOPS_SHARE", 1)
+    linear_weights = sum(share[name] * m.weight.numel() for name, m in model.named_modules()
+                         if isinstance(m, nn.Linear))
+    return round(6 * linear_weights) + 12 * model.config.n_layer * model.config.n_embd * seq_len
 
 
 def peak_memory_gib(device):
