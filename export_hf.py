@@ -332,7 +332,8 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # query, key and value in one matmul
-        self.c_attn.MUON_PARTS = 3  # Muon orthogonalizes the query, key and value maps apart
+        # the rows of the matrices it stacks, query, key and value: Muon orthogonalizes each apart
+        self.c_attn.MUON_PARTS = [config.n_embd] * 3
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.c_proj.NANOGPT_SCALE_INIT = True
         self.n_head = config.n_head

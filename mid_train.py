@@ -79,7 +79,8 @@ def die(message):
 
 
 # -----------------------------------------------------------------------------
-# flags
+# flags: as train_gpt2.py's, every setting of a run and its default on one screen: this script's own in get_args,
+# after its values of the flags both trainers have, which are in the shared block below it
 
 # the spelling tasks' `hub` (TASKS): nanochat's word list, dwyl/english-words' 370K words, downloaded once
 WORD_LIST_URL = "https://raw.githubusercontent.com/dwyl/english-words/refs/heads/master/words_alpha.txt"
@@ -100,31 +101,29 @@ DEMO_PRESET = dict(
 
 
 def get_args(argv=None):
-    # the flags of both trainers (OpenAI's weights, the batch, AdamW, the evals and samples, the run), with this
-    # one's defaults (the samples' prompt: a user's message); then its own
+    # the flags of both trainers, with this one's defaults (the samples' prompt: a user's message)
     p = trainer_flags("Midtrain a GPT-2 checkpoint on conversations (chat format) and tasks.", micro_batch_size=16,
-                      lr=2e-4, weight_decay=0.0, eval_every=100, num_samples=1, sample_len=64,
-                      prompt="What is the capital of France?", out_dir="out/mid", save_every=500)
-    p.add_argument("--init_ckpt", type=os.path.normpath,
-                   help="train_gpt2.py checkpoint to start from (a file or an out_dir)")
-    p.add_argument("--data", nargs="+", default=DEFAULT_DATA,
-                   help="sources KIND:PATH[:EPOCHS]; KIND chat (.jsonl of {messages} or bare message "
-                        "lists), gsm8k (.jsonl question/answer, with its calculator calls) or mmlu (.jsonl "
-                        "question/choices/answer), PATH a file or a folder of them; or simplespelling or "
-                        "spellingbee from a word list, a word a line, with ROWS for EPOCHS; PATH `hub` loads it by "
-                        "name, a URL is downloaded once")
-    p.add_argument("--val_fraction", type=ranged(float, 0, 1, low_open=True, high_open=True), default=0.02,
-                   help="share held out for val of each source read from files (0 would leave no val split, 1 no "
-                        "train data); a hub source's val is its test split on the hub")
-    p.add_argument("--seq_len", type=positive_int,
-                   help="tokens per training sequence (default: the model's context length)")
-    p.add_argument("--total_batch_size", type=positive_int,
-                   help="tokens per optimizer step, over all processes (default: one micro-batch on each)")
-    p.add_argument("--max_steps", type=positive_int,
-                   help="optimizer steps (default: one pass over the packed train rows)")
-    p.add_argument("--warmdown_frac", type=fraction, default=0.2,
-                   help="decay the learning rate linearly to 0 over this last share of the steps")
-    add_optimizer_flags(p, muon_lr=0.005, muon_momentum_warmup=50)
+                      lr=2e-4, weight_decay=0.0, muon_lr=0.005, muon_momentum_warmup=50, eval_every=100,
+                      num_samples=1, sample_len=64, prompt="What is the capital of France?", out_dir="out/mid",
+                      save_every=500)
+    add = p.add_argument
+    # the start and the data
+    add("--init_ckpt", type=os.path.normpath, help="train_gpt2.py checkpoint to start from (a file or an out_dir)")
+    add("--data", nargs="+", default=DEFAULT_DATA,
+        help="sources KIND:PATH[:EPOCHS]; KIND chat (.jsonl of {messages} or bare message lists), gsm8k (.jsonl "
+             "question/answer, with its calculator calls) or mmlu (.jsonl question/choices/answer), PATH a file or "
+             "a folder of them; or simplespelling or spellingbee from a word list, a word a line, with ROWS for "
+             "EPOCHS; PATH `hub` loads it by name, a URL is downloaded once")
+    add("--val_fraction", type=ranged(float, 0, 1, low_open=True, high_open=True), default=0.02,
+        help="share held out for val of each source read from files (0 would leave no val split, 1 no train "
+             "data); a hub source's val is its test split on the hub")
+    add("--seq_len", type=positive_int, help="tokens per training sequence (default: the model's context length)")
+    add("--total_batch_size", type=positive_int,
+        help="tokens per optimizer step, over all processes (default: one micro-batch on each)")
+    # schedule
+    add("--max_steps", type=positive_int, help="optimizer steps (default: one pass over the packed train rows)")
+    add("--warmdown_frac", type=fraction, default=0.2,
+        help="decay the learning rate linearly to 0 over this last share of the steps")
     # An out_dir holding checkpoints continues its run. Where it started and its data stay as they were: the
     # train rows a step reads follow from its number.
     args = parse_trainer_flags(p, argv, DEMO_PRESET, start_flags=["init_ckpt"],
@@ -142,6 +141,64 @@ def get_args(argv=None):
     refuse_ignored(argv, {"no --data source read from files": (not from_files, ["val_fraction"]),
                            "--eval_every 0": (args.eval_every == 0, ["num_samples", "sample_len", "prompt"])})
     return args
+
+
+# ---- shared: trainer_flags ----
+def trainer_flags(description, **defaults):
+    """The parser of a trainer's flags, with the flags both trainers have (--help lists them after the trainer's
+    own). `defaults`: the trainer's values of those without one here."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                allow_abbrev=False)
+    p.error = die  # one-line errors, exit code 2
+    add = p.add_argument_group("the flags of both trainers").add_argument
+    # the start and the batch
+    add("--init_from", choices=MODEL_SIZES, help="start from OpenAI's weights (needs transformers)")
+    add("--micro_batch_size", type=positive_int, help="sequences per forward pass on each process")
+    # optimization: AdamW, or Muon with AdamW (MUON_FLAGS)
+    add("--lr", type=positive_float, help="peak learning rate (AdamW)")
+    add("--weight_decay", type=nonneg_float, help="weight decay on 2-D weights")
+    add("--grad_clip", type=nonneg_float, default=1.0, help="clip the gradient norm to this (0: off)")
+    add("--optimizer", default="adamw", choices=["adamw", "muon"],
+        help="adamw, or muon for the 2-D weights inside the blocks with adamw for the rest")
+    add("--muon_lr", type=positive_float, help="peak learning rate of Muon (--optimizer muon)")
+    add("--muon_momentum", type=fraction, default=0.95,
+        help="Muon momentum, reached after --muon_momentum_warmup steps")
+    add("--muon_momentum_warmup", type=nonneg_int, help="steps over which Muon's momentum rises from 0.85")
+    add("--muon_weight_decay", type=nonneg_float, default=0.0,
+        help="decoupled weight decay of Muon's weights (Muon's recipes use 0 to 0.01; --weight_decay is AdamW's)")
+    add("--seed", type=seed_int, default=1337, help="random seed")
+    # evals and samples
+    add("--eval_every", type=nonneg_int, help="evaluate every N steps (and at the end; 0: never): the val loss and "
+                                              "samples, and HellaSwag with train_gpt2.py's --hellaswag_file")
+    add("--num_samples", type=nonneg_int, help="samples printed at each eval (0: none)")
+    add("--sample_len", type=positive_int, help="new tokens per sample")
+    add("--prompt", help="prompt of the in-loop samples")
+    # the run around the loop
+    add("--out_dir", help="checkpoints, log.jsonl and wandb files go here")
+    add("--save_every", type=nonneg_int,
+        help="checkpoint every N steps (and at the end, and on a stop signal; 0: never)")
+    add("--demo", action="store_true", help="preset: a small run in minutes on a CPU (the flags given still win): "
+        "train_gpt2.py trains on data/demo (prepare_fineweb.py --demo), mid_train.py midtrains its out/demo")
+    add("--keep_checkpoints", type=positive_int, default=3, help="newest checkpoints kept in out_dir")
+    add("--resume", action="store_true", help="continue the run in out_dir (as the same command does when out_dir "
+        "holds one), and refuse to start a new one; flags not given take its values")
+    add("--log_every", type=positive_int, default=1, help="log every N-th step (a line and a record)")
+    add("--peak_flops", type=positive_float, help="device peak FLOP/s for MFU (known GPUs are detected)")
+    add("--wandb_project", help="log to this wandb project (WANDB_MODE=offline works)")
+    add("--run", help="the run's name: wandb's name for it, and out/RUN when --out_dir is not given")
+    add("--dry_run", action="store_true",
+        help="train and evaluate as given, but read and write no out_dir: no checkpoint, log or summary")
+    # the device
+    add("--device", default="auto", help="auto, cuda, cuda:N, mps or cpu")
+    add("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+        help="autocast dtype; auto: bfloat16 on CUDA and bf16 CPUs (AVX512-BF16, AMX), else float32")
+    add("--fsdp", action="store_true",
+        help="shard weights, gradients and optimizer state over the ranks (FSDP2) instead of DDP")
+    add("--compile", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
+        help="torch.compile the model; auto: on for CUDA (on a CPU it gains less than the minute it takes)")
+    p.set_defaults(**defaults)
+    return p
+# ---- end shared: trainer_flags ----
 
 
 # ---- shared: model ----
@@ -177,7 +234,8 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # query, key and value in one matmul
-        self.c_attn.MUON_PARTS = 3  # Muon orthogonalizes the query, key and value maps apart
+        # the rows of the matrices it stacks, query, key and value: Muon orthogonalizes each apart
+        self.c_attn.MUON_PARTS = [config.n_embd] * 3
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.c_proj.NANOGPT_SCALE_INIT = True
         self.n_head = config.n_head
@@ -927,42 +985,31 @@ def num_params(model):
 MUON_FLAGS = ["muon_lr", "muon_momentum", "muon_momentum_warmup", "muon_weight_decay"]  # nothing with AdamW
 
 
-def add_optimizer_flags(p, muon_lr, muon_momentum_warmup):
-    """--grad_clip, --optimizer and Muon's flags (MUON_FLAGS), with each trainer's defaults for Muon's lr and
-    momentum warm-up."""
-    p.add_argument("--grad_clip", type=nonneg_float, default=1.0,
-                   help="clip the gradient norm to this (0: off)")
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
-                   help="adamw, or muon for the 2-D weights inside the blocks with adamw for the rest")
-    p.add_argument("--muon_lr", type=positive_float, default=muon_lr,
-                   help="peak learning rate of Muon (--optimizer muon)")
-    p.add_argument("--muon_momentum", type=fraction, default=0.95,
-                   help="Muon momentum, reached after --muon_momentum_warmup steps")
-    p.add_argument("--muon_momentum_warmup", type=nonneg_int, default=muon_momentum_warmup,
-                   help="steps over which Muon's momentum rises from 0.85")
-    p.add_argument("--muon_weight_decay", type=nonneg_float, default=0.0,
-                   help="decoupled weight decay of Muon's weights (Muon's recipes use 0 to 0.01; "
-                        "--weight_decay is AdamW's)")
-
-
 def make_optimizers(model, args, device_type):
     """AdamW (0.9, 0.95) with weight decay on the 2-D weights only; with --optimizer muon, Muon takes the
-    weights of the blocks' linear layers (each of MUON_PARTS matrices where a layer sets it, else one), and AdamW
-    keeps the rest (the embedding tied with the head, biases, norms). A group may set its own lr: set_schedule scales
-    each group's own peak."""
-    muon_layers = []
+    weights of the blocks' linear layers (each as one matrix, or as the matrices a layer's MUON_PARTS lists by their
+    rows), and AdamW keeps the rest (the embedding tied with the head, biases, norms). A group may set its own lr:
+    set_schedule scales each group's own peak."""
+    muon_layers = {}
     if args.optimizer == "muon":
-        muon_layers = [m for m in model.transformer.h.modules() if isinstance(m, nn.Linear)]
-    muon_params = {m.weight for m in muon_layers}
+        muon_layers = {name: m for name, m in model.transformer.h.named_modules() if isinstance(m, nn.Linear)}
+    for name, layer in muon_layers.items():
+        parts = getattr(layer, "MUON_PARTS", [layer.weight.size(0)])
+        if sum(parts) != layer.weight.size(0):  # Muon would orthogonalize the wrong slices, or fail to split
+            die(f"--optimizer muon: the MUON_PARTS {parts} of transformer.h.{name} add up to {sum(parts)} rows, but "
+                f"its weight has {layer.weight.size(0)}: list the rows of each matrix it stacks (with fewer "
+                f"key/value heads: n_embd, then the keys' and the values' width)")
+    muon_params = {m.weight for m in muon_layers.values()}
     adamw_params = [p for p in model.parameters() if p not in muon_params]
     groups = [dict(params=[p for p in adamw_params if p.dim() >= 2], weight_decay=args.weight_decay),
               dict(params=[p for p in adamw_params if p.dim() < 2], weight_decay=0.0)]
     fused = device_type in ("cuda", "cpu")  # one kernel for all parameters: 6x faster than foreach on CPU
     optimizers = [torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=fused)]
     if muon_layers:
-        # A group for each weight, with the number of matrices it stacks (the fused query, key and value: 3): a
-        # weight that stacks several is orthogonalized a part at a time.
-        muon_groups = [dict(params=[layer.weight], parts=getattr(layer, "MUON_PARTS", 1)) for layer in muon_layers]
+        # A group for each weight, with the rows of each matrix it stacks (the fused query, key and value: 3 of
+        # n_embd): a weight that stacks several is orthogonalized a part at a time.
+        muon_groups = [dict(params=[layer.weight], parts=getattr(layer, "MUON_PARTS", [layer.weight.size(0)]))
+                       for layer in muon_layers.values()]
         defaults = dict(lr=args.muon_lr, momentum=args.muon_momentum, weight_decay=args.muon_weight_decay)
         optimizers.append(Muon(muon_groups, defaults))
     return optimizers
@@ -986,13 +1033,18 @@ class Muon(torch.optim.Optimizer):
                 buf.lerp_(p.grad, 1 - group["momentum"])
                 update = p.grad.lerp(buf, group["momentum"])  # Nesterov
                 # The attention's fused weight (3C x C) is three C x C maps, Q, K and V: each is
-                # orthogonalized on its own (as modded-nanogpt does), not the stack as one tall matrix.
-                blocks = zeropower_via_newtonschulz5(update.view(group["parts"], -1, p.size(1)))
+                # orthogonalized on its own (as modded-nanogpt does), not the stack as one tall matrix. Parts
+                # of one size go as one batch; grouped-query attention's K and V are fewer rows than Q.
+                parts = group["parts"]
+                if len(set(parts)) == 1:
+                    blocks = zeropower_via_newtonschulz5(update.view(len(parts), -1, p.size(1)))
+                else:
+                    blocks = [zeropower_via_newtonschulz5(part) for part in update.split(parts)]
                 # a tall block is scaled up to the per-entry size of a square one: sqrt(rows / cols), as
                 # modded-nanogpt does
-                scale = max(1, blocks.size(-2) / blocks.size(-1)) ** 0.5
+                update = torch.cat([block * max(1, block.size(-2) / block.size(-1)) ** 0.5 for block in blocks])
                 p.mul_(1 - group["lr"] * group["weight_decay"])  # decoupled weight decay, as AdamW
-                p.add_(blocks.reshape_as(p), alpha=-group["lr"] * scale)
+                p.add_(update, alpha=-group["lr"])
 
 
 def zeropower_via_newtonschulz5(G):
@@ -1131,28 +1183,6 @@ def model_from_checkpoint(checkpoint):
 # non-finite one, the run stops at once, deletes that checkpoint and names the newest good one to resume from: a
 # diverging run never pushes good checkpoints out. SIGTERM or Ctrl-C on any rank stops every rank at the same
 # point (StopRun), and the step it was at is saved (stop_run). A dry run reads and writes no folder.
-
-def add_run_flags(p):
-    """The flags of the run around the loop, the same in both trainers."""
-    p.add_argument("--keep_checkpoints", type=positive_int, default=3, help="newest checkpoints kept in out_dir")
-    p.add_argument("--resume", action="store_true",
-                   help="continue the run in out_dir (as the same command does when out_dir holds one), and "
-                        "refuse to start a new one; flags not given take its values")
-    p.add_argument("--log_every", type=positive_int, default=1, help="log every N-th step (a line and a record)")
-    p.add_argument("--peak_flops", type=positive_float, help="device peak FLOP/s for MFU (known GPUs are detected)")
-    p.add_argument("--wandb_project", help="log to this wandb project (WANDB_MODE=offline works)")
-    p.add_argument("--run", help="the run's name: wandb's name for it, and out/RUN when --out_dir is not given")
-    p.add_argument("--dry_run", action="store_true",
-                   help="train and evaluate as given, but read and write no out_dir: no checkpoint, log or summary")
-    p.add_argument("--device", default="auto", help="auto, cuda, cuda:N, mps or cpu")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                   help="autocast dtype; auto: bfloat16 on CUDA and bf16 CPUs (AVX512-BF16, AMX), else float32")
-    p.add_argument("--fsdp", action="store_true",
-                   help="shard weights, gradients and optimizer state over the ranks (FSDP2) instead of DDP")
-    p.add_argument("--compile", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
-                   help="torch.compile the model; auto: on for CUDA (on a CPU it gains less than the minute "
-                        "it takes)")
-
 
 def take_defaults(args, argv, defaults):
     """Each flag not given in argv takes its value in defaults."""
@@ -1537,10 +1567,16 @@ def run_environment(device_name):
 
 
 def flops_per_token(model, seq_len):
-    """Training FLOPs per token: 6 for each weight of a linear layer (a multiply and an add, forward and
-    twice backward), plus attention's 12 * L * d * T (PaLM, app. B); lookups and norms do no matmul."""
-    linear_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
-    return 6 * linear_weights + 12 * model.config.n_layer * model.config.n_embd * seq_len
+    """Training FLOPs per token: 6 for each weight of a linear layer that a token uses (a multiply and an add,
+    forward and twice backward), plus attention's 12 * L * d * T (PaLM, app. B); lookups and norms do no matmul.
+    A module marked FLOPS_SHARE has only that share of its linear weights used by each token (a mixture of experts:
+    top_k / n_experts); marks inside it multiply."""
+    share = {}  # each module's share of its weights that a token uses; a module comes after its parent
+    for name, module in model.named_modules():
+        share[name] = share.get(name.rpartition(".")[0], 1) * getattr(module, "FLOPS_SHARE", 1)
+    linear_weights = sum(share[name] * m.weight.numel() for name, m in model.named_modules()
+                         if isinstance(m, nn.Linear))
+    return round(6 * linear_weights) + 12 * model.config.n_layer * model.config.n_embd * seq_len
 
 
 def peak_memory_gib(device):
@@ -1767,41 +1803,10 @@ def refuse_ignored(argv, modes):
 # ---- end shared: flags ----
 
 
-# ---- shared: trainer_flags ----
+# ---- shared: trainer_args ----
 positive_float, nonneg_float = ranged(float, 0, low_open=True), ranged(float, 0)
 fraction = ranged(float, 0, 1)  # a share or a ratio, 0 to 1
 seed_int = ranged(int, 0, 2**32 - 1)  # what every RNG we seed takes
-
-
-def trainer_flags(description, **defaults):
-    """The parser of a trainer's flags, with the flags both trainers have besides their model, data and schedule:
-    OpenAI's weights to start from, the batch, AdamW, the seed, the evals and in-loop samples, --demo, the out_dir
-    and the run around the loop (add_run_flags). `defaults`: the trainer's own values."""
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                allow_abbrev=False)
-    p.error = die  # one-line errors, exit code 2
-    # --help lists them after the trainer's own
-    shared = p.add_argument_group("the flags of both trainers")
-    shared.add_argument("--init_from", choices=MODEL_SIZES, help="start from OpenAI's weights (needs transformers)")
-    shared.add_argument("--micro_batch_size", type=positive_int, help="sequences per forward pass on each process")
-    shared.add_argument("--lr", type=positive_float, help="peak learning rate (AdamW)")
-    shared.add_argument("--weight_decay", type=nonneg_float, help="weight decay on 2-D weights")
-    shared.add_argument("--seed", type=seed_int, default=1337, help="random seed")
-    shared.add_argument("--eval_every", type=nonneg_int,
-                        help="evaluate every N steps (and at the end; 0: never): the val loss and samples, and "
-                             "HellaSwag with train_gpt2.py's --hellaswag_file")
-    shared.add_argument("--num_samples", type=nonneg_int, help="samples printed at each eval (0: none)")
-    shared.add_argument("--sample_len", type=positive_int, help="new tokens per sample")
-    shared.add_argument("--prompt", help="prompt of the in-loop samples")
-    shared.add_argument("--out_dir", help="checkpoints, log.jsonl and wandb files go here")
-    shared.add_argument("--save_every", type=nonneg_int,
-                        help="checkpoint every N steps (and at the end, and on a stop signal; 0: never)")
-    shared.add_argument("--demo", action="store_true",
-                        help="preset: a small run in minutes on a CPU (the flags given still win): train_gpt2.py "
-                             "trains on data/demo (prepare_fineweb.py --demo), mid_train.py midtrains its out/demo")
-    add_run_flags(shared)
-    p.set_defaults(**defaults)
-    return p
 
 
 def parse_trainer_flags(p, argv, preset, start_flags, fixed, kind):
@@ -1816,7 +1821,7 @@ def parse_trainer_flags(p, argv, preset, start_flags, fixed, kind):
     refuse_ignored(argv, {"--optimizer adamw": (args.optimizer == "adamw", MUON_FLAGS),
                           "--num_samples 0": (args.num_samples == 0, ["sample_len", "prompt"])})
     return args
-# ---- end shared: trainer_flags ----
+# ---- end shared: trainer_args ----
 
 
 if __name__ == "__main__":

@@ -205,3 +205,90 @@ def test_the_guides_new_midtraining_task_trains_and_holds_out_its_val(base_ckpt,
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "val: arc:arc.jsonl held out, 4 conversations" in proc.stdout, proc.stdout
     assert "train: arc:arc.jsonl, 36 conversations x1" in proc.stdout, proc.stdout
+
+
+# a float field of GPTConfig, used by the model: a logit softcap whose cap is a flag
+SOFTCAP_FIELD = [("train_gpt2.py", "    n_embd: int = 768\n",
+                  "    n_embd: int = 768\n    softcap: float = 30.0\n"),
+                 ("train_gpt2.py", "        logits = self.lm_head(x)\n",
+                  "        logits = self.lm_head(x)\n"
+                  "        logits = self.config.softcap * torch.tanh(logits / self.config.softcap)\n")]
+
+
+def test_a_float_field_of_the_model_is_a_flag_that_takes_a_float(shards, tmp_path):
+    make_fork(tmp_path, SOFTCAP_FIELD)
+    proc = run_in(tmp_path, "train_gpt2.py", *TINY, "--data_dir", shards, "--max_steps", 1, "--eval_every", 100,
+                  "--softcap", 15.5, "--out_dir", "run")
+    assert proc.returncode == 0, proc.stderr
+    import torch
+    assert torch.load(tmp_path / "run" / "ckpt_0000001.pt", weights_only=True)["config"]["softcap"] == 15.5
+    proc = run_in(tmp_path, "train_gpt2.py", "--softcap", "-1")  # a float field takes a number >= 0
+    assert proc.returncode == 2 and "argument --softcap: '-1' is not a number >= 0" in proc.stderr, proc.stderr
+
+
+# grouped-query attention: n_kv_head key/value heads, each shared by n_head / n_kv_head query heads; the fused input
+# stacks the queries' n_embd rows and the keys' and values' fewer, and declares them to Muon
+GROUPED_QUERY_ATTENTION = [
+    ("train_gpt2.py", "    n_embd: int = 768\n", "    n_embd: int = 768\n    n_kv_head: int = 12\n"),
+    ("train_gpt2.py",
+     "        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # query, key and value in one matmul\n"
+     "        # the rows of the matrices it stacks, query, key and value: Muon orthogonalizes each apart\n"
+     "        self.c_attn.MUON_PARTS = [config.n_embd] * 3\n",
+     "        self.kv_width = config.n_kv_head * (config.n_embd // config.n_head)\n"
+     "        self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * self.kv_width)\n"
+     "        self.c_attn.MUON_PARTS = [config.n_embd, self.kv_width, self.kv_width]\n"
+     "        self.n_kv_head = config.n_kv_head\n"),
+    ("train_gpt2.py",
+     "        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)\n"
+     "        # each head is a batch dimension: (B, n_head, T, head_size)\n"
+     "        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))\n",
+     "        q, k, v = self.c_attn(x).split([self.n_embd, self.kv_width, self.kv_width], dim=2)\n"
+     "        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)\n"
+     "        k, v = (t.view(B, T, self.n_kv_head, C // self.n_head).transpose(1, 2) for t in (k, v))\n"),
+    ("train_gpt2.py", "is_causal=k.size(2) == T)", "is_causal=k.size(2) == T, enable_gqa=True)"),
+]
+
+# Muon's update of the fused input (64 query rows, 16 key rows, 16 value rows) where the queries' gradient is 100x
+# the others', as after a step where queries mattered most: each declared part's singular values; then the same
+# layer declared as three equal parts, which its rows do not make
+MUON_ON_GROUPED_QUERIES = """
+import os, torch, train_gpt2 as t
+torch.manual_seed(0)
+model = t.GPT(t.GPTConfig(block_size=16, vocab_size=128, n_layer=1, n_head=4, n_embd=64, n_kv_head=1))
+args = t.get_args(['--optimizer', 'muon', '--out_dir', os.devnull])
+adamw, muon = t.make_optimizers(model, args, 'cpu')
+for p in model.parameters():
+    p.grad = torch.zeros_like(p)
+def spread(rows, scale):  # singular values from 0.1 to 3, times scale
+    U, V = torch.linalg.qr(torch.randn(rows, rows))[0], torch.linalg.qr(torch.randn(64, rows))[0]
+    return scale * U @ torch.diag(torch.logspace(-1, 0.5, rows)) @ V.T
+attn = model.transformer.h[0].attn.c_attn
+attn.weight.grad = torch.cat([spread(64, 100.0), spread(16, 1.0), spread(16, 1.0)])
+before = attn.weight.detach().clone()
+muon.step()
+for part in ((before - attn.weight.detach()) / muon.param_groups[0]['lr']).split([64, 16, 16]):
+    s = torch.linalg.svdvals(part)
+    print(s.min().item(), s.max().item())
+attn.MUON_PARTS = [64] * 3
+t.make_optimizers(model, args, 'cpu')
+"""
+
+
+def test_muon_orthogonalizes_each_declared_part_of_grouped_query_attention(shards, tmp_path):
+    make_fork(tmp_path, GROUPED_QUERY_ATTENTION)
+    proc = run_in(tmp_path, "train_gpt2.py", *TINY, "--data_dir", shards, "--max_steps", 2, "--eval_every", 100,
+                  "--n_kv_head", 1, "--optimizer", "muon", "--dry_run")
+    assert proc.returncode == 0, proc.stderr
+    proc = subprocess.run([sys.executable, "-c", MUON_ON_GROUPED_QUERIES], cwd=tmp_path, capture_output=True,
+                          text=True)
+    # each part orthogonal on its own (singular values near 1), the keys' and values' too, which an update of the
+    # stack as one matrix would leave near 0 beside the queries' 100x gradient
+    lines = proc.stdout.split("\n")
+    assert len(lines) == 4, (proc.stdout, proc.stderr)
+    for line in lines[:3]:
+        low, high = map(float, line.split())
+        assert 0.6 < low and high < 1.25, proc.stdout
+    # parts that do not add up to the weight's rows: one error line, at the start
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith("error: --optimizer muon: the MUON_PARTS [64, 64, 64] of transformer.h.0.attn.c_attn "
+                                  "add up to 192 rows, but its weight has 96"), proc.stderr

@@ -37,8 +37,9 @@ def test_muon_trains_resumes_exactly_and_ddp_matches(shards, tmp_path):
     assert "momentum_buffer" in state["transformer.h.0.mlp.c_fc.weight"] and "exp_avg" in state["transformer.wte.weight"]
     groups = ckpt["optimizer"]["param_groups"]  # AdamW's (decay, no decay), then Muon's, one a weight
     assert [g["weight_decay"] for g in groups] == [0.1, 0.0] + [0.01] * 8
-    # each block's linear layers: the fused query, key and value (3 parts), its projection, the MLP's two
-    assert [g["parts"] for g in groups[2:]] == [3, 1, 1, 1] * 2
+    # each block's linear layers, by the rows of the matrices each stacks: the fused query, key and value (3 parts),
+    # its projection, the MLP's two
+    assert [g["parts"] for g in groups[2:]] == [[32, 32, 32], [32], [128], [32]] * 2
 
     resumed = tmp_path / "resumed"
     resumed.mkdir()

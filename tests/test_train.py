@@ -455,3 +455,18 @@ def test_training_loss_is_cross_entropy_of_the_logits(edit, monkeypatch):
         grads = torch.autograd.grad(loss, params)
         assert loss.item() == expected.item()
         assert all(torch.equal(g, e) for g, e in zip(grads, expected_grads))
+
+
+def test_flops_count_one_expert_of_a_mixture_that_runs_one_per_token():
+    """A mixture of experts in place of each block's MLP: a router and four experts, a token running through one.
+    FLOPS_SHARE marks the experts' share that a token uses: FLOPs (and MFU) count one expert, not four."""
+    from train_gpt2 import MLP, flops_per_token
+    config = GPTConfig(block_size=64, vocab_size=128, n_layer=2, n_head=2, n_embd=32)
+    model = GPT(config)
+    dense = flops_per_token(model, 64)
+    for block in model.transformer.h:
+        block.mlp = torch.nn.ModuleDict(dict(router=torch.nn.Linear(32, 4, bias=False),
+                                             experts=torch.nn.ModuleList([MLP(config) for _ in range(4)])))
+        block.mlp.experts.FLOPS_SHARE = 1 / 4  # top-1 of 4
+    router = 6 * 32 * 4
+    assert flops_per_token(model, 64) == dense + 2 * router
