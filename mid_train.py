@@ -1241,6 +1241,13 @@ def continue_run(args, argv, fixed, kind):
         sys.exit(0)
     print0(f"--out_dir {args.out_dir} holds a run: continuing it from {path}, at step {checkpoint['step']} (a new "
            f"run needs another --out_dir)")
+    # the code that saved the checkpoint (None before runs recorded it): a fork edited since goes on, and says so
+    saved_code, our_code = checkpoint.get("code") or {}, script_hashes()
+    changed_code = sorted(name for name in saved_code.keys() | our_code.keys()
+                          if saved_code.get(name) != our_code.get(name))
+    if saved_code and changed_code:
+        print0(f"resume: the code differs from the checkpoint's ({', '.join(changed_code)} changed); the run goes on "
+               f"with this code")
     args.resume_checkpoint = path
 
 
@@ -1437,15 +1444,22 @@ class RunLog:
         device_name = torch.cuda.get_device_name(device) if device.startswith("cuda") else device
         # MFU needs the device's peak FLOP/s: --peak_flops, or the table's entry for this GPU
         self.peak_flops = args.peak_flops or PEAK_BF16_FLOPS.get(device_name)
+        code, diff = code_record()
+        self.state["code"] = code["sha256"]  # in each checkpoint: a run continued by other code says so
         if master_process and not args.dry_run:
             if os.path.exists(self.path):  # a continued run's (take_out_dir set a new run's aside)
                 with open(self.path, "rb") as f:
                     # A line cut short (a run killed as it wrote it) is the last, of a step the run makes again.
                     kept = [line for line in f if line.endswith(b"\n") and json.loads(line)["step"] < state["step"]]
                 write_file(self.path, lambda f: f.writelines(kept), "free space in --out_dir or give another one")
+            if diff:  # the changes since the commit, one file per launch: with the commit, they are the code run
+                code["diff"] = f"code_{state['step']}.diff"
+                write_file(os.path.join(args.out_dir, code["diff"]), lambda f: f.write(diff),
+                           "free space in --out_dir or give another one")
             if args.wandb_project:
                 self.start_wandb()
-        self({"step": state["step"], "flags": vars(args), "environment": run_environment(device_name)})
+        self({"step": state["step"], "flags": vars(args), "environment": run_environment(device_name),
+              "code": code})
 
     def start_wandb(self):
         import wandb
@@ -1455,7 +1469,7 @@ class RunLog:
         go_on = {"resume_from": f"{run_id}?_step={step - 1}"} if run_id and step > 0 else {}
         try:
             wandb.init(project=self.args.wandb_project, name=self.args.run, config=vars(self.args),
-                       dir=self.args.out_dir, **go_on)
+                       dir=self.args.out_dir, save_code=True, **go_on)
         except wandb.errors.Error as e:  # not logged in (and no WANDB_MODE), a bad key, no network
             die(f"--wandb_project: wandb cannot start ({str(e).splitlines()[0]}); run `wandb login`, or set "
                 f"WANDB_MODE=offline to log locally (wandb sync uploads it later)")
@@ -1564,6 +1578,35 @@ def run_environment(device_name):
                  if name.startswith(prefixes) and not secret.search(name)}
     return {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
             "device": device_name, "world_size": world_size, "host": platform.node(), "variables": variables}
+
+
+def script_hashes():
+    """The sha256 of each script beside this one (the repo's top level), by name."""
+    import hashlib
+    folder = os.path.dirname(os.path.abspath(__file__))
+    hashes = {}
+    for path in sorted(glob.glob(os.path.join(glob.escape(folder), "*.py"))):
+        with open(path, "rb") as f:
+            hashes[os.path.basename(path)] = hashlib.sha256(f.read()).hexdigest()
+    return hashes
+
+
+def code_record():
+    """The code this run runs, for its first record: each script's sha256 and, in a git repo, the commit and
+    whether the tree differs from it (dirty); and that difference (git diff HEAD), empty when there is none.
+    Without git, outside a repo or before its first commit, commit and dirty are None."""
+    import subprocess
+    code = {"commit": None, "dirty": None, "sha256": script_hashes()}
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True,
+                              check=True, timeout=30).stdout
+    try:
+        code["commit"] = git("rev-parse", "HEAD").decode().strip()
+        diff = git("diff", "HEAD")
+    except (OSError, subprocess.SubprocessError):
+        return code, b""
+    code["dirty"] = bool(diff)
+    return code, diff
 
 
 def flops_per_token(model, seq_len):

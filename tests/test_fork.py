@@ -55,8 +55,9 @@ def fork(shards, tmp_path_factory):
     guide's new data format)."""
     fork = tmp_path_factory.mktemp("fork")
     edits = guide_edits()
-    # RoPE (4), QK-norm, window (3), activation, softcap, training-only term, groups, metric, task (2), data format (2)
-    assert len(edits) == 17, edits
+    # RoPE (4), QK-norm, window (3), activation, softcap, training-only term, groups, metric, eval (3), task (2), data
+    # format (2), sequence-length warm-up (3)
+    assert len(edits) == 23, edits
     proc = make_fork(fork, edits)
     assert proc.returncode == 0 and "synced mid_train.py" in proc.stdout, proc
     sys.path.insert(0, REPO)
@@ -77,9 +78,14 @@ def test_guide_edits_reach_every_copy(fork):
 
 
 def test_forked_model_trains_resumes_exactly_samples_and_midtrains(fork, base_ckpt):
-    flags = [*TINY, "--data_dir", "data", "--max_steps", 6, "--save_every", 3, "--eval_every", 3]
+    # the sequence-length warm-up's short rows up to step 3, so that the run continued from step 3 starts in them
+    flags = [*TINY, "--data_dir", "data", "--max_steps", 6, "--save_every", 3, "--eval_every", 3,
+             "--seq_warmup_steps", 4]
     proc = run_in(fork, "train_gpt2.py", *flags, "--out_dir", "straight")
     assert proc.returncode == 0, proc.stderr
+    # the new eval: on the eval's line and in its records
+    assert re.search(r"step +3/6 \| val_loss [\d.]+ \| val_bpb [\d.]+ \| val_acc [\d.]+ \|", proc.stdout), proc.stdout
+    assert [r["step"] for r in read_log(fork / "straight") if 0 < r.get("val_acc", 0) < 1] == [0, 3, 6]
     # the added metrics before the loss, in the order the guide's edits add them (the penalty's first)
     assert re.search(r"step +5/6 \| penalty [\d.e-]+ \| max_logit [\d.]+ \| loss [\d.]+ \| grad_norm [\d.]+ \| lr ",
                      proc.stdout)
@@ -96,6 +102,9 @@ def test_forked_model_trains_resumes_exactly_samples_and_midtrains(fork, base_ck
     assert proc.returncode == 0, proc.stderr
     resumed = train_losses(fork / "resumed")
     assert sorted(resumed) == [3, 4, 5] and all(resumed[s] == straight[s] for s in resumed), (straight, resumed)
+    # the warm-up's first step, in short rows, is not the full rows' step
+    proc = run_in(fork, "train_gpt2.py", *flags[:-2], "--max_steps", 1, "--eval_every", 1, "--out_dir", "no_warmup")
+    assert proc.returncode == 0 and train_losses(fork / "no_warmup")[0] != straight[0], proc.stderr
 
     # the embedding's group kept its 3x learning rate through the schedule
     import torch
@@ -117,6 +126,7 @@ def test_forked_model_trains_resumes_exactly_samples_and_midtrains(fork, base_ck
     proc = run_in(fork, "mid_train.py", *MID, "--init_ckpt", "straight", "--data", "chat:chat.jsonl",
                   "--max_steps", 2, "--out_dir", "mid")
     assert proc.returncode == 0 and "max_logit" in proc.stdout, proc.stderr
+    assert [r["step"] for r in read_log(fork / "mid") if "val_acc" in r] == [0, 2]  # the new eval, midtraining too
 
     # a checkpoint of the model before the edit: one line naming a weight that differs
     proc = run_in(fork, "sample.py", "--ckpt", base_ckpt, "--max_new_tokens", 4)

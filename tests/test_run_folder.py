@@ -3,15 +3,18 @@ logs (val bits per byte, interval means, its flags and environment, a summary); 
 folders end in the right outcome, with nothing deleted or overwritten."""
 
 import glob
+import hashlib
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -109,6 +112,9 @@ def test_flags_and_environment_are_logged_and_no_secret_is(shards, tmp_path):
     first = read_log(out)[0]
     assert first["flags"]["max_steps"] == 2 and first["environment"]["torch"] == torch.__version__
     assert first["environment"]["variables"]["NCCL_DEBUG"] == "WARN"
+    # the code it ran: in the record, and in wandb (save_code)
+    assert len(first["code"]["sha256"]["train_gpt2.py"]) == 64
+    assert glob.glob(f"{out}/wandb/offline-run-*/files/code/train_gpt2.py")
     assert all("time" in r for r in read_log(out))
     for where in (proc.stdout, proc.stderr, (out / "log.jsonl").read_text(), (out / "summary.json").read_text(),
                   *(open(f, errors="replace").read() for f in glob.glob(f"{out}/wandb/**/*.json*", recursive=True))):
@@ -390,3 +396,35 @@ def test_a_stop_in_the_last_evals_goes_on_to_the_summary(shards, tmp_path):
     assert "is complete" not in again.stdout and "summary: best_val_loss" in again.stdout
     assert (out / "summary.json").exists() and 3 in {r["step"] for r in read_log(out) if "val_loss" in r}
     assert "is complete" in run("train_gpt2.py", *flags, check=True).stdout
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_a_run_records_its_code_and_a_run_continued_by_other_code_says_so(shards, tmp_path):
+    """A fork in a git repo, edited since its commit: the first record holds the commit, that the tree changed and
+    each script's sha256, and the run folder the diff. Continued by the script edited again, the run says in one
+    line which file changed, and goes on."""
+    repo = tmp_path / "fork"
+    os.makedirs(repo)
+    for script in ("train_gpt2.py", "sample.py"):
+        shutil.copy(os.path.join(REPO, script), repo)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    for command in (["init", "-q"], ["add", "."], ["commit", "-q", "-m", "fork"]):
+        subprocess.run([*git, *command], cwd=repo, check=True, capture_output=True)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
+    with open(repo / "train_gpt2.py", "a") as f:
+        f.write("# an edit since the commit\n")
+    out = tmp_path / "run"
+    command = [*TINY, "--data_dir", shards, "--out_dir", out, "--eval_every", 2, "--save_every", 2]
+    run(repo / "train_gpt2.py", *command, "--max_steps", 2, check=True)
+    code = read_log(out)[0]["code"]
+    hashes = {name: hashlib.sha256((repo / name).read_bytes()).hexdigest() for name in ("train_gpt2.py", "sample.py")}
+    assert code["commit"] == commit and code["dirty"] is True and code["sha256"] == hashes, code
+    assert code["diff"] == "code_0.diff" and "+# an edit since the commit" in (out / "code_0.diff").read_text()
+    with open(repo / "train_gpt2.py", "a") as f:
+        f.write("# another edit\n")
+    proc = run(repo / "train_gpt2.py", *command, "--max_steps", 4, check=True)
+    lines = [line for line in proc.stdout.splitlines() if "code differs" in line]
+    assert lines == ["resume: the code differs from the checkpoint's (train_gpt2.py changed); the run goes on "
+                     "with this code"], proc.stdout
+    assert [r["step"] for r in read_log(out) if "loss" in r] == [0, 1, 2, 3]
+    assert "+# another edit" in (out / "code_2.diff").read_text()
