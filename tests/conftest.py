@@ -16,6 +16,7 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "tools"))  # the sync tool's functions, for the tests of shared blocks
 # Tests that train in this process take one thread, as the scripts' runs here do: the workers share the cores, and
 # two threads each spin-wait on each other (a 150-step overfit took 69 s instead of 12).
 torch.set_num_threads(1)
