@@ -31,7 +31,7 @@ TINY = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "64
 # this list and then of the rest, so that no long file is left to run alone on one core at the end. (By default
 # it would order the files by their number of tests, which says little of their time here.)
 SLOWEST_FILES = ["test_train.py", "test_run_folder.py", "test_cuda_rehearsal.py", "test_mid_train.py",
-                 "test_pipeline.py", "test_fsdp.py", "test_fork.py", "test_faults.py"]
+                 "test_pipeline.py", "test_fsdp.py", "test_fork.py", "test_faults.py", "test_tools.py"]
 
 
 def pytest_configure(config):

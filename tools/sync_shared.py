@@ -253,9 +253,10 @@ def contract_problems():
         holders = [script for script in trees if name in blocks[script]]
         nodes = blocks[holders[0]][name]
         for flag, line in flags_read(nodes).items():
+            lacking = [script for script in holders if flag not in flags[script]]
             problems += [f"{script}: shared block '{name}' reads args.{flag} (line {line} in {holders[0]}), which "
                          f"is no flag of {script}: define --{flag} in every script holding the block (a shared "
-                         f"flags block), or read it outside the block" for script in holders if flag not in flags[script]]
+                         f"flags block), or read it outside the block" for script in lacking]
         functions = functions_of(nodes)
         for script in holders:
             for node, call in calls[script]:
