@@ -174,9 +174,15 @@ def run_steps(steps, folder, parallel=2):
     return results
 
 
+def refuse(message):
+    """A bad argument: one line, exit 2, nothing done."""
+    print(f"error: {message} (see --help)", file=sys.stderr)
+    sys.exit(2)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.error = lambda message: sys.exit(print(f"error: {message} (see --help)", file=sys.stderr) or 2)
+    p.error = refuse
     p.add_argument("--all", action="store_true", help="check every script, not only those the edit reaches")
     args = p.parse_args()
     started = time.time()

@@ -159,13 +159,13 @@ def defined_flags(tree):
         literals = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
         if method == "add_argument":
             names |= {a.removeprefix("--").replace("-", "_") for a in literals if a.startswith("--")}
-            names |= {k.value.value for k in node.keywords if k.arg == "dest"}
+            names |= {k.value.value for k in node.keywords if k.arg == "dest" and isinstance(k.value, ast.Constant)}
             if node.args and not isinstance(node.args[0], ast.Constant):  # named at run time
                 names |= {field.target.id for cls in ast.walk(tree) if isinstance(cls, ast.ClassDef)
                           for field in cls.body if isinstance(field, ast.AnnAssign)}
         elif method == "set_defaults":
             names |= {k.arg for k in node.keywords if k.arg}
-        elif method == "setattr" and is_args(node.args[0]) and literals:
+        elif method == "setattr" and node.args and is_args(node.args[0]) and literals:
             names.add(literals[0])
     return names
 
@@ -273,9 +273,15 @@ def contract_problems():
     return problems
 
 
+def refuse(message):
+    """A bad argument: one line, exit 2, nothing done."""
+    print(f"error: {message} (see --help)", file=sys.stderr)
+    sys.exit(2)
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.error = lambda message: sys.exit(print(f"error: {message} (see --help)", file=sys.stderr) or 2)
+    p.error = refuse
     p.add_argument("--check", action="store_true",
                    help="change nothing: list copies that differ, a stale record and broken contracts; exit 1 if any")
     args = p.parse_args()
