@@ -145,10 +145,20 @@ def is_args(node):
     return isinstance(node, ast.Name) and node.id == "args"
 
 
+def spelled_names(tree):
+    """The fields of a script's classes (a dataclass's) and its strings that are names (a table's keys)."""
+    fields = {node.target.id for cls in ast.walk(tree) if isinstance(cls, ast.ClassDef) for node in cls.body
+              if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
+    strings = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)
+               and node.value.isidentifier()}
+    keywords = {node.arg for node in ast.walk(tree) if isinstance(node, ast.keyword) and node.arg}  # dict(NAME=...)
+    return fields | strings | keywords
+
+
 def defined_flags(tree):
     """The names a script's args can hold: its flags (add_argument's --NAME or dest, set_defaults' keywords), and
     what its code sets on args (`args.NAME = ...`, setattr(args, "NAME", ...)). A flag named at run time (f"--{name}",
-    as each GPTConfig field is) may be any field of the script's dataclasses."""
+    as each GPTConfig field is) may be any name the script spells (spelled_names)."""
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and is_args(node.value):
@@ -161,8 +171,7 @@ def defined_flags(tree):
             names |= {a.removeprefix("--").replace("-", "_") for a in literals if a.startswith("--")}
             names |= {k.value.value for k in node.keywords if k.arg == "dest" and isinstance(k.value, ast.Constant)}
             if node.args and not isinstance(node.args[0], ast.Constant):  # named at run time
-                names |= {field.target.id for cls in ast.walk(tree) if isinstance(cls, ast.ClassDef)
-                          for field in cls.body if isinstance(field, ast.AnnAssign)}
+                names |= spelled_names(tree)
         elif method == "set_defaults":
             names |= {k.arg for k in node.keywords if k.arg}
         elif method == "setattr" and node.args and is_args(node.args[0]) and literals:
