@@ -68,13 +68,14 @@ def edited_scripts():
     """The scripts holding a shared block that differs from the last commit's, and the scripts changed themselves;
     None outside git."""
     try:
-        changed = subprocess.run(["git", "diff", "HEAD", "--name-only"], cwd=ROOT, capture_output=True, text=True,
-                                 check=True).stdout.split()
+        # the paths under ROOT, from ROOT: the repo may sit in a folder of a larger one
+        changed = subprocess.run(["git", "diff", "HEAD", "--name-only", "--relative"], cwd=ROOT, capture_output=True,
+                                 text=True, check=True).stdout.split()
     except (OSError, subprocess.CalledProcessError):
         return None
     changed_blocks = set()
     for script in set(changed) & set(SCRIPTS):
-        committed = subprocess.run(["git", "show", f"HEAD:{script}"], cwd=ROOT, capture_output=True, text=True).stdout
+        committed = subprocess.run(["git", "show", f"HEAD:./{script}"], cwd=ROOT, capture_output=True, text=True).stdout
         with open(os.path.join(ROOT, script)) as f:
             now = f.read()
         before = {m.group(1): m.group(2) for m in BLOCK.finditer(committed)}
