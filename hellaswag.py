@@ -228,7 +228,7 @@ def main(argv=None):
 # -----------------------------------------------------------------------------
 # everything below supports the script: command-line checks, files, progress, the tokenizer, the model,
 # devices and dtypes, checkpoints
-# (blocks shared with train_gpt2.py: after editing any copy, run python tests/sync_shared.py)
+# (blocks shared with train_gpt2.py: after editing any copy, run python tools/sync_shared.py)
 
 
 # ---- shared: flags ----

@@ -25,7 +25,7 @@ What differs from train_gpt2.py, which this file follows block for block:
   its loss is averaged over the targets they hold, counted first; the val rows are padded to whole
   micro-batches, and the val loss is a sum over a count; the samples are replies to a chat prompt, cut at
   their end token, also at the first step; the checkpoint also holds kind "mid" and the chat tokens.
-The code after main() is train_gpt2.py's, in the same shared blocks, but for HellaSwag (tests/sync_shared.py
+The code after main() is train_gpt2.py's, in the same shared blocks, but for HellaSwag (tools/sync_shared.py
 keeps them equal).
 """
 
@@ -857,7 +857,7 @@ def main(argv=None):
     end_run(args)
 
 # -----------------------------------------------------------------------------
-# Everything below supports main() and its loop: train_gpt2.py's blocks, in its order (tests/sync_shared.py
+# Everything below supports main() and its loop: train_gpt2.py's blocks, in its order (tools/sync_shared.py
 # keeps them equal).
 
 # ---- shared: distributed ----

@@ -309,7 +309,7 @@ def main(argv=None):
 # -----------------------------------------------------------------------------
 # everything below supports the script: command-line checks, the tokenizer and chat tokens, the model,
 # devices and dtypes, checkpoints, generation
-# (blocks shared with train_gpt2.py and mid_train.py: after editing any copy, run tests/sync_shared.py)
+# (blocks shared with train_gpt2.py and mid_train.py: after editing any copy, run tools/sync_shared.py)
 
 
 # ---- shared: flags ----

@@ -641,7 +641,7 @@ def main(argv=None):
 # Everything below supports main() and its loop, in about the order they call it: devices; the training setup
 # and optimizers; out-of-memory advice; the out_dir; checkpoints (loading, then their life in a run: resume,
 # save, prune, divergence) and OpenAI's weights; the log; stop signals; HellaSwag and samples; the tokenizer,
-# progress bars, files and flag types. Blocks marked "shared" are copies, kept equal by tests/sync_shared.py.
+# progress bars, files and flag types. Blocks marked "shared" are copies, kept equal by tools/sync_shared.py.
 
 # ---- shared: distributed ----
 def init_distributed(device):

@@ -16,6 +16,7 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "tools"))  # the sync tool's functions, for the tests of shared blocks
 # Tests that train in this process take one thread, as the scripts' runs here do: the workers share the cores, and
 # two threads each spin-wait on each other (a 150-step overfit took 69 s instead of 12).
 torch.set_num_threads(1)
@@ -30,7 +31,7 @@ TINY = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "64
 # this list and then of the rest, so that no long file is left to run alone on one core at the end. (By default
 # it would order the files by their number of tests, which says little of their time here.)
 SLOWEST_FILES = ["test_train.py", "test_run_folder.py", "test_cuda_rehearsal.py", "test_mid_train.py",
-                 "test_pipeline.py", "test_fsdp.py", "test_fork.py", "test_faults.py"]
+                 "test_pipeline.py", "test_fsdp.py", "test_fork.py", "test_faults.py", "test_tools.py"]
 
 
 def pytest_configure(config):

@@ -35,16 +35,16 @@ def make_fork(fork, edits):
     applied, and synced into the other scripts."""
     for script in SCRIPTS:
         shutil.copy(os.path.join(REPO, script), fork)
-    os.makedirs(fork / "tests")
+    os.makedirs(fork / "tools")
     for name in ("sync_shared.py", "shared_blocks.json"):
-        shutil.copy(os.path.join(REPO, "tests", name), fork / "tests")
+        shutil.copy(os.path.join(REPO, "tools", name), fork / "tools")
     for script, old, new in edits:
         with open(fork / script) as f:
             text = f.read()
         assert text.count(old) == 1, f"the guide's lines are not in {script} once:\n{old}"
         with open(fork / script, "w") as f:
             f.write(text.replace(old, new))
-    proc = run_in(fork, "tests/sync_shared.py")
+    proc = run_in(fork, "tools/sync_shared.py")
     assert proc.returncode == 0, proc
     return proc
 

@@ -6,21 +6,22 @@ import sys
 
 from conftest import REPO
 
-sys.path.insert(0, os.path.join(REPO, "tests"))
-from sync_shared import SCRIPTS, differing_copies, read_blocks, stale_record  # noqa: E402
+from sync_shared import SCRIPTS, contract_problems, differing_copies, read_blocks, stale_record
 
 
 def test_shared_blocks_are_identical():
     diffs = differing_copies()
-    assert not diffs, f"copies of a shared block differ (run python tests/sync_shared.py): {diffs}"
+    assert not diffs, f"copies of a shared block differ (run python tools/sync_shared.py): {diffs}"
     stale = stale_record()
-    assert not stale, f"tests/shared_blocks.json is out of date for {stale} (run python tests/sync_shared.py)"
+    assert not stale, f"tools/shared_blocks.json is out of date for {stale} (run python tools/sync_shared.py)"
+    problems = contract_problems()
+    assert not problems, "\n".join(problems)
 
 
 def copy_of_repo(tmp_path):
     """The scripts, the sync tool and its record, copied where the tool can rewrite them."""
-    (tmp_path / "tests").mkdir()
-    for name in SCRIPTS + ["tests/sync_shared.py", "tests/shared_blocks.json"]:
+    (tmp_path / "tools").mkdir()
+    for name in SCRIPTS + ["tools/sync_shared.py", "tools/shared_blocks.json"]:
         shutil.copy(os.path.join(REPO, name), tmp_path / name)
     return tmp_path
 
@@ -32,7 +33,7 @@ def edit_block(path, name, line):
 
 
 def run_sync(root, *flags):
-    return subprocess.run([sys.executable, str(root / "tests" / "sync_shared.py"), *flags], capture_output=True,
+    return subprocess.run([sys.executable, str(root / "tools" / "sync_shared.py"), *flags], capture_output=True,
                           text=True)
 
 
@@ -53,7 +54,7 @@ def test_two_different_edits_are_refused_and_both_kept(tmp_path):
     edit_block(root / "sample.py", "model", "# edited in sample.py")
     # a clean edit of another block is held back too: a refused sync changes no file at all
     edit_block(root / "hellaswag.py", "tokenizer", "# edited in hellaswag.py")
-    files = SCRIPTS + ["tests/shared_blocks.json"]
+    files = SCRIPTS + ["tools/shared_blocks.json"]
     before = {name: (root / name).read_bytes() for name in files}
     proc = run_sync(root)
     assert proc.returncode == 1 and "mid_train.py" in proc.stderr and "sample.py" in proc.stderr, proc.stderr
@@ -68,7 +69,7 @@ def test_a_copy_put_back_to_an_earlier_version_does_not_undo_the_edit(tmp_path):
     edit_block(root / "mid_train.py", "model", "# edited in mid_train.py")
     assert run_sync(root).returncode == 0
     (root / "sample.py").write_bytes(unedited)
-    files = SCRIPTS + ["tests/shared_blocks.json"]
+    files = SCRIPTS + ["tools/shared_blocks.json"]
     before = {name: (root / name).read_bytes() for name in files}
     proc = run_sync(root)
     assert proc.returncode == 1 and "sample.py is a version synced before" in proc.stderr, proc.stderr
