@@ -156,10 +156,14 @@ def spelled_names(tree):
 
 
 def defined_flags(tree):
-    """The names a script's args can hold: its flags (add_argument's --NAME or dest, set_defaults' keywords), and
-    what its code sets on args (`args.NAME = ...`, setattr(args, "NAME", ...)). A flag named at run time (f"--{name}",
-    as each GPTConfig field is) may be any name the script spells (spelled_names)."""
+    """The names a script's args can hold: its flags (add_argument's --NAME or dest, also called by another name,
+    set_defaults' keywords), and what its code sets on args (`args.NAME = ...`, setattr(args, "NAME", ...)). A flag
+    named at run time (f"--{name}", as each GPTConfig field is) may be any name the script spells (spelled_names)."""
     names = set()
+    # add_argument, and the names it is given to be called by (`add = p.add_argument`)
+    adders = {"add_argument"} | {target.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                                 and getattr(node.value, "attr", None) == "add_argument"
+                                 for target in node.targets if isinstance(target, ast.Name)}
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and is_args(node.value):
             names.add(node.attr)
@@ -167,7 +171,7 @@ def defined_flags(tree):
             continue
         method = getattr(node.func, "attr", getattr(node.func, "id", ""))
         literals = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
-        if method == "add_argument":
+        if method in adders:
             names |= {a.removeprefix("--").replace("-", "_") for a in literals if a.startswith("--")}
             names |= {k.value.value for k in node.keywords if k.arg == "dest" and isinstance(k.value, ast.Constant)}
             if node.args and not isinstance(node.args[0], ast.Constant):  # named at run time
