@@ -62,6 +62,9 @@ def get_args(argv=None):
     if args.out_dir == "":
         die("--out_dir '' names no folder to write the shards into; give a folder's path")
     args.out_dir = args.out_dir or f"data/{os.path.basename(args.dataset)}-{args.config.removeprefix('sample-')}"
+    # a training run's folder (a live one is refused by its lock): the shards would lie among its checkpoints
+    if glob.glob(os.path.join(glob.escape(args.out_dir), "ckpt_*.pt")) or os.path.exists(f"{args.out_dir}/log.jsonl"):
+        die(f"--out_dir {args.out_dir} holds a training run (checkpoints, log.jsonl); give another folder for the shards")
     args.files = []
     for pattern in args.input:
         matches = sorted(f for f in glob.glob(pattern, recursive=True) if os.path.isfile(f))
