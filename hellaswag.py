@@ -48,6 +48,21 @@ def die(message):
 # ---- end shared: die ----
 
 
+# ---- shared: stdout ----
+def say(line):
+    """Print a line to stdout, which may go away: a reader that closed the pipe (| head) stops getting the
+    lines, not the work; a full disk under it is one error line, the work done so far kept."""
+    try:
+        print(line, flush=True)
+    except OSError as e:
+        # stdout's fd to /dev/null: what is left in its buffer, flushed at exit, raises no second error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        if not isinstance(e, BrokenPipeError):
+            die(f"cannot write to stdout ({e.strerror}); free space where it goes, or send it elsewhere, then run "
+                f"the same command again")
+# ---- end shared: stdout ----
+
+
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_{split}.jsonl"
 
 
@@ -220,7 +235,7 @@ def main(argv=None):
     acc, acc_norm, count = evaluate_hellaswag(model, examples, get_tokenizer(), device, args.batch_size, autocast_ctx)
     seconds = time.perf_counter() - start
     if rank == 0:
-        print(json.dumps({"model": name, "data": path, "examples": count, "acc": acc, "acc_norm": acc_norm,
+        say(json.dumps({"model": name, "data": path, "examples": count, "acc": acc, "acc_norm": acc_norm,
                           "examples_per_s": count / seconds}))
         print(f"{name}: acc {acc:.4f} | acc_norm {acc_norm:.4f} | {count} examples "
               f"| {count / seconds:.1f} examples/s", file=sys.stderr)

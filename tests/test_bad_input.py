@@ -163,6 +163,13 @@ CASES = [
          expect="is a file"),
     case("export-out_dir-empty", "export_hf.py", "--ckpt", "{tmp}/ckpt.pt", "--out_dir", "",
          expect="--out_dir '' names no folder"),
+    # ---- stdout on a full disk, after the work is done: one line, the work kept
+    case("prepare-stdout-full", "prepare_fineweb.py", "--input", "{tmp}/doc.txt", "--out_dir", "{tmp}/p_full",
+         "--shard_size", 2, "--workers", 1, expect="cannot write to stdout (No space left on device)"),
+    case("hellaswag-stdout-full", "hellaswag.py", "--ckpt", "{tmp}/ckpt.pt", "--data_file", "{tmp}/hs_ok.jsonl",
+         "--device", "cpu", expect="cannot write to stdout (No space left on device)"),
+    case("export-stdout-full", "export_hf.py", "--ckpt", "{tmp}/ckpt.pt", "--out_dir", "{tmp}/hf_full",
+         env={"HF_HUB_OFFLINE": "1"}, expect="cannot write to stdout (No space left on device)"),
     # ---- a data folder that prepare_fineweb.py has not finished, or that lacks a shard it listed
     case("train-data_dir-prepare-unfinished", "train_gpt2.py", *DATA, "--data_dir", "{tmp}/data_unfinished",
          expect="is not finished: its manifest.json does not list a complete set of shards; run the"),
@@ -291,7 +298,8 @@ def start(name, script, argv, env, workdir):
     code = 1
     try:
         os.setpgid(0, 0)  # its own process group, so that a case that hangs is killed with all its workers
-        for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, f"{workdir}/{name}.out", os.O_WRONLY | os.O_CREAT),
+        stdout = "/dev/full" if name.endswith("stdout-full") else f"{workdir}/{name}.out"  # a full disk under stdout
+        for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, stdout, os.O_WRONLY | os.O_CREAT),
                                 (2, f"{workdir}/{name}.err", os.O_WRONLY | os.O_CREAT)):
             os.dup2(os.open(path, flags), fd)
         sys.stdin = open(0, closefd=False)
