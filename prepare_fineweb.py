@@ -64,7 +64,8 @@ def get_args(argv=None):
     args.out_dir = args.out_dir or f"data/{os.path.basename(args.dataset)}-{args.config.removeprefix('sample-')}"
     # a training run's folder (a live one is refused by its lock): the shards would lie among its checkpoints
     if glob.glob(os.path.join(glob.escape(args.out_dir), "ckpt_*.pt")) or os.path.exists(f"{args.out_dir}/log.jsonl"):
-        die(f"--out_dir {args.out_dir} holds a training run (checkpoints, log.jsonl); give another folder for the shards")
+        die(f"--out_dir {args.out_dir} holds a training run (checkpoints, log.jsonl); give another folder for the "
+            f"shards")
     args.files = []
     for pattern in args.input:
         matches = sorted(f for f in glob.glob(pattern, recursive=True) if os.path.isfile(f))
@@ -325,8 +326,9 @@ def main(argv=None):
         die(f"the source gave {sum(s['tokens'] for s in shards):,} tokens, not enough for a val and a train shard; "
             f"lower --shard_size or give more text")
     save_manifest(complete=True)
-    say(f"done: {shards[-1]['end_doc'] + (shards[-1]['end_offset'] > 0):,} documents, {sum(s['tokens'] for s in shards):,} "
-          f"tokens, {len(shards)} shards in {args.out_dir} ({time.time() - t0:.1f} s)")
+    say(f"done: {shards[-1]['end_doc'] + (shards[-1]['end_offset'] > 0):,} documents, "
+        f"{sum(s['tokens'] for s in shards):,} tokens, {len(shards)} shards in {args.out_dir} "
+        f"({time.time() - t0:.1f} s)")
 
 
 # -----------------------------------------------------------------------------
