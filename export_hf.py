@@ -47,10 +47,31 @@ def die(message):
 # ---- end shared: die ----
 
 
+# ---- shared: stdout ----
+def say(line):
+    """Print a line to stdout, which may go away: a reader that closed the pipe (| head) stops getting the
+    lines, not the work; a full disk under it is one error line, the work done so far kept."""
+    try:
+        print(line, flush=True)
+    except OSError as e:
+        # stdout's fd to /dev/null: what is left in its buffer, flushed at exit, raises no second error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        if not isinstance(e, BrokenPipeError):
+            die(f"cannot write to stdout ({e.strerror}); free space where it goes, or send it elsewhere, then run "
+                f"the same command again")
+# ---- end shared: stdout ----
+
+
 # the files of a chat model's tokenizer that a base model's does not have (transformers 5; 4)
 CHAT_FILES = ("chat_template.jinja", "added_tokens.json")
-CHAT_TEMPLATE = ("{{ '<|bos|>' }}{% for m in messages %}"
-                 "{{ '<|' + m['role'] + '_start|>' + m['content'] + '<|' + m['role'] + '_end|>' }}{% endfor %}"
+# mid_train.py encodes a message's text as ordinary text, so no text typed becomes a chat token. A template only
+# writes text, which the tokenizer then splits at every special token in it: so the template writes each "<|" of
+# a message as "<" MARK "|" (and MARK as two), which no special token matches, and the tokenizer's normalizer, run
+# after the special tokens are matched, turns them back.
+MARK = "\ufdd0"  # a Unicode noncharacter, kept for internal use: not in text
+CHAT_TEMPLATE = ("{{ '<|bos|>' }}{% for m in messages %}{{ '<|' + m['role'] + '_start|>' + m['content']"
+                 f"|replace('{MARK}', '{MARK * 2}')|replace('<|', '<{MARK}|')"
+                 " + '<|' + m['role'] + '_end|>' }}{% endfor %}"
                  "{% if add_generation_prompt %}{{ '<|assistant_start|>' }}{% endif %}")  # as render_for_reply
 
 
@@ -95,10 +116,19 @@ def write_tokenizer(out_dir, chat_tokens, block_size):
                    "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}, f)
     tokenizer = AutoTokenizer.from_pretrained(out_dir)
     if chat_tokens:
+        from tokenizers import normalizers
         tokenizer.add_special_tokens({"additional_special_tokens": chat_tokens})
         tokenizer.chat_template = CHAT_TEMPLATE
+        tokenizer.backend_tokenizer.normalizer = normalizers.Sequence(
+            [normalizers.Replace(f"<{MARK}|", "<|"), normalizers.Replace(MARK * 2, MARK)])
     tokenizer.save_pretrained(out_dir)
-    return tokenizer
+    if chat_tokens:  # transformers' GPT2Tokenizer builds its own pipeline, without the normalizer: the generic
+        # class loads tokenizer.json as written
+        config_path = os.path.join(out_dir, "tokenizer_config.json")
+        config = {**json.load(open(config_path)), "tokenizer_class": "PreTrainedTokenizerFast"}
+        with open(config_path, "w") as f:
+            json.dump(config, f)
+    return AutoTokenizer.from_pretrained(out_dir)  # as a user loads it, for the checks
 
 
 def main(argv=None):
@@ -181,6 +211,11 @@ def main(argv=None):
     ids = enc.encode_ordinary(text)
     if tokenizer(text)["input_ids"] != ids:
         die(f"the exported tokenizer encodes differently from tiktoken's gpt2; {tmp_dir} is left for a look")
+    messages = [{"role": "user", "content": f"<|assistant_start|>{text}<|endoftext|>"}]  # text, not tokens
+    if chat and tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                              return_dict=False) != render_for_reply(enc, messages):
+        die(f"the exported chat template renders text unlike mid_train.py (this transformers' tokenizer does not "
+            f"keep its normalizer?); {tmp_dir} is left for a look")
     ids = torch.tensor([(ids * our_config.block_size)[:our_config.block_size]])
     loaded = AutoModelForCausalLM.from_pretrained(tmp_dir).eval()
     # each part's output, ours and GPT-2's (its hidden_states): the embeddings are the first block's input, and
@@ -212,7 +247,7 @@ def main(argv=None):
                 f"another --out_dir")
         shutil.rmtree(args.out_dir)
     os.replace(tmp_dir, args.out_dir)
-    print(f"exported {path} to {args.out_dir}: GPT2LMHeadModel, {hf_model.num_parameters():,} "
+    say(f"exported {path} to {args.out_dir}: GPT2LMHeadModel, {hf_model.num_parameters():,} "
           f"parameters, vocab {enc.n_vocab}{' with the chat tokens' if chat else ''}; logits match ours within "
           f"{diff:.1e}")
 

@@ -48,6 +48,21 @@ def die(message):
 # ---- end shared: die ----
 
 
+# ---- shared: stdout ----
+def say(line):
+    """Print a line to stdout, which may go away: a reader that closed the pipe (| head) stops getting the
+    lines, not the work; a full disk under it is one error line, the work done so far kept."""
+    try:
+        print(line, flush=True)
+    except OSError as e:
+        # stdout's fd to /dev/null: what is left in its buffer, flushed at exit, raises no second error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        if not isinstance(e, BrokenPipeError):
+            die(f"cannot write to stdout ({e.strerror}); free space where it goes, or send it elsewhere, then run "
+                f"the same command again")
+# ---- end shared: stdout ----
+
+
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_{split}.jsonl"
 
 
@@ -114,12 +129,14 @@ def load_hellaswag(path, limit=0):
                 continue
             try:  # bytes, read as UTF-8: a file in another encoding is a ValueError too
                 example = json.loads(line)
-                ctx, endings, label = example["ctx"], list(example["endings"]), int(example["label"])
-                if len(endings) != 4 or not 0 <= label <= 3:
+                ctx, endings = example["ctx"], example["endings"]
+                label = ["0", "1", "2", "3"].index(str(example["label"]))  # 2 or "2", not 2.5, true or Infinity
+                if not (isinstance(ctx, str) and ctx and isinstance(endings, list) and len(endings) == 4
+                        and all(isinstance(ending, str) for ending in endings)):
                     raise ValueError
             except (ValueError, KeyError, TypeError):
-                die(f"{path}:{line_no} is not a HellaSwag example: UTF-8 JSON with a ctx, exactly 4 endings and "
-                    f"a label 0-3")
+                die(f"{path}:{line_no} is not a HellaSwag example: UTF-8 JSON with a ctx text, a list of exactly 4 "
+                    f"ending texts and a label 0-3; fix or remove that line")
             examples.append((ctx, endings, label))
             if len(examples) == limit:
                 break
@@ -129,8 +146,9 @@ def load_hellaswag(path, limit=0):
 def render_hellaswag(example, enc):
     """4 rows of context + " " + ending; the masks are 1 on the ending tokens, the ones that are scored."""
     ctx, endings, label = example
-    ctx_tokens = enc.encode(ctx)
-    rows = [ctx_tokens + enc.encode(" " + ending) for ending in endings]
+    # ordinary: text that reads <|endoftext|> is scored as the text it is
+    ctx_tokens = enc.encode_ordinary(ctx)
+    rows = [ctx_tokens + enc.encode_ordinary(" " + ending) for ending in endings]
     masks = [[0] * len(ctx_tokens) + [1] * (len(row) - len(ctx_tokens)) for row in rows]
     return rows, masks, label
 
@@ -217,7 +235,7 @@ def main(argv=None):
     acc, acc_norm, count = evaluate_hellaswag(model, examples, get_tokenizer(), device, args.batch_size, autocast_ctx)
     seconds = time.perf_counter() - start
     if rank == 0:
-        print(json.dumps({"model": name, "data": path, "examples": count, "acc": acc, "acc_norm": acc_norm,
+        say(json.dumps({"model": name, "data": path, "examples": count, "acc": acc, "acc_norm": acc_norm,
                           "examples_per_s": count / seconds}))
         print(f"{name}: acc {acc:.4f} | acc_norm {acc_norm:.4f} | {count} examples "
               f"| {count / seconds:.1f} examples/s", file=sys.stderr)

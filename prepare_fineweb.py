@@ -62,6 +62,10 @@ def get_args(argv=None):
     if args.out_dir == "":
         die("--out_dir '' names no folder to write the shards into; give a folder's path")
     args.out_dir = args.out_dir or f"data/{os.path.basename(args.dataset)}-{args.config.removeprefix('sample-')}"
+    # a training run's folder (a live one is refused by its lock): the shards would lie among its checkpoints
+    if glob.glob(os.path.join(glob.escape(args.out_dir), "ckpt_*.pt")) or os.path.exists(f"{args.out_dir}/log.jsonl"):
+        die(f"--out_dir {args.out_dir} holds a training run (checkpoints, log.jsonl); give another folder for the "
+            f"shards")
     args.files = []
     for pattern in args.input:
         matches = sorted(f for f in glob.glob(pattern, recursive=True) if os.path.isfile(f))
@@ -245,7 +249,7 @@ def main(argv=None):
         documents, names = stdlib_texts()
         write_file(os.path.join(args.out_dir, "chat.jsonl"), lambda f: f.write(demo_chat(names).encode()),
                    RESUME_FIX)
-        print(f"demo: questions about {len(names):,} documented names in chat.jsonl, one name in 10 held out")
+        say(f"demo: questions about {len(names):,} documented names in chat.jsonl, one name in 10 held out")
     else:
         source = "local files" if args.files else f"hub: {args.dataset} {args.config}"
         documents = documents_of(args)
@@ -284,7 +288,7 @@ def main(argv=None):
             shards, complete = shards[:whole.index(False)], False
     start_doc, start_offset = (shards[-1]["end_doc"], shards[-1]["end_offset"]) if shards else (0, 0)
     if shards:
-        print(f"skipping {len(shards)} finished shard(s) in {args.out_dir}")
+        say(f"skipping {len(shards)} finished shard(s) in {args.out_dir}")
     if complete:
         return
 
@@ -300,7 +304,7 @@ def main(argv=None):
                    RESUME_FIX)
         shards.append(dict(file=name, tokens=fill, end_doc=end_doc, end_offset=end_offset))
         save_manifest()
-        print(f"wrote {name} ({time.time() - t0:.0f} s)")
+        say(f"wrote {name} ({time.time() - t0:.0f} s)")
 
     # ---- tokenize in parallel, in order, and cut the stream into shards
     buffer = np.empty(args.shard_size, dtype=np.uint16)
@@ -322,8 +326,9 @@ def main(argv=None):
         die(f"the source gave {sum(s['tokens'] for s in shards):,} tokens, not enough for a val and a train shard; "
             f"lower --shard_size or give more text")
     save_manifest(complete=True)
-    print(f"done: {shards[-1]['end_doc'] + (shards[-1]['end_offset'] > 0):,} documents, {sum(s['tokens'] for s in shards):,} "
-          f"tokens, {len(shards)} shards in {args.out_dir} ({time.time() - t0:.1f} s)")
+    say(f"done: {shards[-1]['end_doc'] + (shards[-1]['end_offset'] > 0):,} documents, "
+        f"{sum(s['tokens'] for s in shards):,} tokens, {len(shards)} shards in {args.out_dir} "
+        f"({time.time() - t0:.1f} s)")
 
 
 # -----------------------------------------------------------------------------
@@ -337,6 +342,21 @@ def die(message):
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
 # ---- end shared: die ----
+
+
+# ---- shared: stdout ----
+def say(line):
+    """Print a line to stdout, which may go away: a reader that closed the pipe (| head) stops getting the
+    lines, not the work; a full disk under it is one error line, the work done so far kept."""
+    try:
+        print(line, flush=True)
+    except OSError as e:
+        # stdout's fd to /dev/null: what is left in its buffer, flushed at exit, raises no second error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        if not isinstance(e, BrokenPipeError):
+            die(f"cannot write to stdout ({e.strerror}); free space where it goes, or send it elsewhere, then run "
+                f"the same command again")
+# ---- end shared: stdout ----
 
 
 # ---- shared: flags ----

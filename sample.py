@@ -153,14 +153,19 @@ def chat(enc, generate_from, max_new_tokens):
     reads as the conversation."""
     ids = [enc.encode_single_token("<|bos|>")]
     tty = sys.stdin.isatty()
-    print("chat with the model; an empty line or Ctrl-D ends it", file=sys.stderr)
+    print(f"chat with the model; {'an empty line or Ctrl-D ends it' if tty else 'a question a line'}", file=sys.stderr)
     while True:
         try:
             user = input("user: " if tty else "")
+            user.encode()  # in a C locale stdin lets bytes that are not UTF-8 through, as lone surrogates
         except EOFError:
             break
-        if not user.strip():
+        except UnicodeError:
+            die("a line on stdin is not UTF-8 text; convert it, e.g. with iconv")
+        if not user.strip() and tty:
             break
+        if not user.strip():  # piped: a blank line between questions
+            continue
         if not tty:
             print(f"user: {user}")
         # the user's message (without render_for_reply's <|bos|>), then the reply's start

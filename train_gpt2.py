@@ -386,9 +386,14 @@ class ShardLoader:
         self.window_tokens = micro_batches_per_window * B * T * world_size
         self.shard_windows = [(len(tokens) - 1) // self.window_tokens for tokens in self.shards]
         self.num_windows = sum(self.shard_windows)
-        if 0 in self.shard_windows:
-            die(f"{files[self.shard_windows.index(0)]} has fewer tokens than one step over all ranks reads "
-                f"({self.window_tokens + 1}); lower --total_batch_size, --micro_batch_size or --seq_len")
+        if self.num_windows == 0:
+            die(f"{os.path.dirname(files[0]) or '.'}'s shards each hold fewer tokens than one step over all ranks "
+                f"reads ({self.window_tokens + 1}); lower --total_batch_size, --micro_batch_size or --seq_len")
+        # a shard shorter than a window is all tail, skipped as every shard's is (prepare's last one often is)
+        short = [f for f, windows in zip(files, self.shard_windows) if windows == 0]
+        if short:
+            print0(f"skipping {', '.join(map(os.path.basename, short))}: fewer tokens than one step over all ranks "
+                   f"reads ({self.window_tokens + 1})")
         # The whole position: the tokens read since the start by all ranks, over all epochs. The order follows
         # from the seed, so the place of the next micro-batch is worked out from this count alone.
         self.tokens_read = 0
@@ -1522,12 +1527,14 @@ def load_hellaswag(path, limit=0):
                 continue
             try:  # bytes, read as UTF-8: a file in another encoding is a ValueError too
                 example = json.loads(line)
-                ctx, endings, label = example["ctx"], list(example["endings"]), int(example["label"])
-                if len(endings) != 4 or not 0 <= label <= 3:
+                ctx, endings = example["ctx"], example["endings"]
+                label = ["0", "1", "2", "3"].index(str(example["label"]))  # 2 or "2", not 2.5, true or Infinity
+                if not (isinstance(ctx, str) and ctx and isinstance(endings, list) and len(endings) == 4
+                        and all(isinstance(ending, str) for ending in endings)):
                     raise ValueError
             except (ValueError, KeyError, TypeError):
-                die(f"{path}:{line_no} is not a HellaSwag example: UTF-8 JSON with a ctx, exactly 4 endings and "
-                    f"a label 0-3")
+                die(f"{path}:{line_no} is not a HellaSwag example: UTF-8 JSON with a ctx text, a list of exactly 4 "
+                    f"ending texts and a label 0-3; fix or remove that line")
             examples.append((ctx, endings, label))
             if len(examples) == limit:
                 break
@@ -1537,8 +1544,9 @@ def load_hellaswag(path, limit=0):
 def render_hellaswag(example, enc):
     """4 rows of context + " " + ending; the masks are 1 on the ending tokens, the ones that are scored."""
     ctx, endings, label = example
-    ctx_tokens = enc.encode(ctx)
-    rows = [ctx_tokens + enc.encode(" " + ending) for ending in endings]
+    # ordinary: text that reads <|endoftext|> is scored as the text it is
+    ctx_tokens = enc.encode_ordinary(ctx)
+    rows = [ctx_tokens + enc.encode_ordinary(" " + ending) for ending in endings]
     masks = [[0] * len(ctx_tokens) + [1] * (len(row) - len(ctx_tokens)) for row in rows]
     return rows, masks, label
 

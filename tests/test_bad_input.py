@@ -113,6 +113,16 @@ CASES = [
          expect="hs_3_endings.jsonl:2"),
     case("hellaswag-label-5", "hellaswag.py", "--ckpt", "x", "--data_file", "{tmp}/hs_label_5.jsonl",
          expect="hs_label_5.jsonl:1"),
+    case("hellaswag-ctx-number", "hellaswag.py", "--ckpt", "x", "--data_file", "{tmp}/hs_ctx_5.jsonl",
+         expect="hs_ctx_5.jsonl:2 is not a HellaSwag example"),
+    case("hellaswag-endings-one-string", "hellaswag.py", "--ckpt", "x", "--data_file", "{tmp}/hs_endings_text.jsonl",
+         expect="hs_endings_text.jsonl:1"),
+    case("hellaswag-ending-number", "hellaswag.py", "--ckpt", "x", "--data_file", "{tmp}/hs_ending_7.jsonl",
+         expect="hs_ending_7.jsonl:1"),
+    case("hellaswag-label-infinity", "hellaswag.py", "--ckpt", "x", "--data_file", "{tmp}/hs_label_inf.jsonl",
+         expect="hs_label_inf.jsonl:1"),
+    case("train-hellaswag-ctx-null", "train_gpt2.py", *DATA, "--hellaswag_file", "{tmp}/hs_ctx_null.jsonl",
+         expect="hs_ctx_null.jsonl:1"),
     case("train-hellaswag-bad-label", "train_gpt2.py", *DATA, "--hellaswag_file", "{tmp}/hs_label_5.jsonl",
          expect="hs_label_5.jsonl:1"),
     # ---- services: no wandb login, no hub
@@ -144,10 +154,22 @@ CASES = [
     case("mid-val_fraction-1", "mid_train.py", "--val_fraction", 1, expect="argument --val_fraction"),
     case("mid-all-held-out", "mid_train.py", *MID, "--data", "chat:{tmp}/ok.jsonl", "--val_fraction", 0.9,
          expect="--val_fraction 0.9 held out"),
+    # a training run's folder is no place for shards
+    case("prepare-out_dir-a-run", "prepare_fineweb.py", "--input", "{tmp}/doc.txt", "--out_dir", "{tmp}/bad_ckpts",
+         expect="bad_ckpts holds a training run"),
+    case("prepare-out_dir-a-run-log", "prepare_fineweb.py", "--input", "{tmp}/doc.txt", "--out_dir", "{tmp}/run_log",
+         expect="holds a training run"),
     case("export-out_dir-file", "export_hf.py", "--ckpt", "{tmp}/ckpt.pt", "--out_dir", "{tmp}/a_file",
          expect="is a file"),
     case("export-out_dir-empty", "export_hf.py", "--ckpt", "{tmp}/ckpt.pt", "--out_dir", "",
          expect="--out_dir '' names no folder"),
+    # ---- stdout on a full disk, after the work is done: one line, the work kept
+    case("prepare-stdout-full", "prepare_fineweb.py", "--input", "{tmp}/doc.txt", "--out_dir", "{tmp}/p_full",
+         "--shard_size", 2, "--workers", 1, expect="cannot write to stdout (No space left on device)"),
+    case("hellaswag-stdout-full", "hellaswag.py", "--ckpt", "{tmp}/ckpt.pt", "--data_file", "{tmp}/hs_ok.jsonl",
+         "--device", "cpu", expect="cannot write to stdout (No space left on device)"),
+    case("export-stdout-full", "export_hf.py", "--ckpt", "{tmp}/ckpt.pt", "--out_dir", "{tmp}/hf_full",
+         env={"HF_HUB_OFFLINE": "1"}, expect="cannot write to stdout (No space left on device)"),
     # ---- a data folder that prepare_fineweb.py has not finished, or that lacks a shard it listed
     case("train-data_dir-prepare-unfinished", "train_gpt2.py", *DATA, "--data_dir", "{tmp}/data_unfinished",
          expect="is not finished: its manifest.json does not list a complete set of shards; run the"),
@@ -217,6 +239,8 @@ def make_files(tmp):
     config.vocab_size = 50257  # GPT-2's own vocab, without the padding that holds the chat tokens
     torch.save({"model": GPT(config).state_dict(), "config": asdict(config)}, f"{tmp}/ckpt_unpadded.pt")
     os.makedirs(f"{tmp}/bad_ckpts/ckpt_0000002.pt")  # a folder named like a checkpoint
+    os.makedirs(f"{tmp}/run_log")
+    open(f"{tmp}/run_log/log.jsonl", "w").close()
     open(f"{tmp}/bad_ckpts/ckpt_0000001.pt", "wb").close()  # an empty file
     open(f"{tmp}/a_file", "w").close()
     os.makedirs(f"{tmp}/lock_is_a_folder/.lock")
@@ -249,6 +273,11 @@ def make_files(tmp):
     jsonl(f"{tmp}/hs_ok.jsonl", [example])
     jsonl(f"{tmp}/hs_3_endings.jsonl", [example, {**example, "endings": ["a", "b", "c"]}])
     jsonl(f"{tmp}/hs_label_5.jsonl", [{**example, "label": 5}])
+    jsonl(f"{tmp}/hs_ctx_5.jsonl", [example, {**example, "ctx": 5}])
+    jsonl(f"{tmp}/hs_ctx_null.jsonl", [{**example, "ctx": None}])
+    jsonl(f"{tmp}/hs_endings_text.jsonl", [{**example, "endings": "abcd"}])
+    jsonl(f"{tmp}/hs_ending_7.jsonl", [{**example, "endings": ["a", "b", 7, "d"]}])
+    jsonl(f"{tmp}/hs_label_inf.jsonl", [{**example, "label": float("inf")}])
     with open(f"{tmp}/hs_latin1.jsonl", "wb") as f:
         f.write(json.dumps(example).encode() + b"\n" + json.dumps(example).encode().replace(b"sits", b"s\xe9ts") + b"\n")
 
@@ -269,7 +298,8 @@ def start(name, script, argv, env, workdir):
     code = 1
     try:
         os.setpgid(0, 0)  # its own process group, so that a case that hangs is killed with all its workers
-        for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, f"{workdir}/{name}.out", os.O_WRONLY | os.O_CREAT),
+        stdout = "/dev/full" if name.endswith("stdout-full") else f"{workdir}/{name}.out"  # a full disk under stdout
+        for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, stdout, os.O_WRONLY | os.O_CREAT),
                                 (2, f"{workdir}/{name}.err", os.O_WRONLY | os.O_CREAT)):
             os.dup2(os.open(path, flags), fd)
         sys.stdin = open(0, closefd=False)

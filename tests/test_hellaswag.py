@@ -41,6 +41,16 @@ def test_rendering_tokens_and_mask(tmp_path):
     assert all(len(r) == len(m) for r, m in zip(rows, masks))
 
 
+def test_text_that_reads_as_a_special_token_is_scored_as_text(tmp_path):
+    path = tmp_path / "h.jsonl"
+    path.write_text(json.dumps({"ctx": "A tag <|endoftext|> reads", "endings": ["a", "<|endoftext|>", "c", "d"],
+                                "label": "1"}) + "\n")  # the label as the hub's copy writes it
+    enc = get_tokenizer()
+    rows, masks, label = render_hellaswag(load_hellaswag(path)[0], enc)
+    assert label == 1 and rows[1] == enc.encode_ordinary("A tag <|endoftext|> reads <|endoftext|>")
+    assert 50256 not in sum(rows, [])
+
+
 def test_batched_scoring_equals_one_at_a_time(tmp_path):
     write_fixture(tmp_path / "h.jsonl", 12)
     examples = load_hellaswag(tmp_path / "h.jsonl")

@@ -273,3 +273,29 @@ def test_a_listed_shard_deleted_or_cut_short_is_made_again(tmp_path):
                            "--out_dir", "", "--workers", "1"], cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr.startswith("error: --out_dir '' names no folder"), proc.stderr
     assert proc.stderr.count("\n") == 1 and not (tmp_path / "data").exists()
+
+
+def test_the_trainer_takes_a_corpus_whose_last_shard_is_shorter_than_a_step(tmp_path):
+    """prepare's last shard holds what is left: here 201 tokens, fewer than a step's 256. It is skipped as
+    every shard's tail is, with a line; the run trains on the rest."""
+    from conftest import TINY
+    (tmp_path / "doc.txt").write_text("Hello" + " world" * 3199)  # 3,201 tokens with the <|endoftext|>
+    run("prepare_fineweb.py", "--input", tmp_path / "doc.txt", "--out_dir", tmp_path / "data", "--shard_size", 1000,
+        "--workers", 1, check=True)
+    assert [s["tokens"] for s in json.load(open(tmp_path / "data" / "manifest.json"))["shards"]][-1] == 201
+    proc = run("train_gpt2.py", *TINY, "--data_dir", tmp_path / "data", "--out_dir", tmp_path / "out",
+               "--max_steps", 2, check=True)
+    assert "skipping data_train_000003.bin: fewer tokens than one step over all ranks reads (257)" in proc.stdout
+
+
+def test_a_reader_that_goes_away_stops_the_output_not_the_work(tmp_path):
+    (tmp_path / "doc.txt").write_text("Hello" + " world" * 3199)
+    cmd = [sys.executable, "prepare_fineweb.py", "--input", tmp_path / "doc.txt", "--out_dir", tmp_path / "data",
+           "--shard_size", "1000", "--workers", "1"]
+    # | head -1: the pipe is closed before the first line
+    with subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        proc.stdout.close()
+        stderr = proc.stderr.read().decode()
+    assert proc.returncode == 0 and stderr == "", stderr
+    manifest = json.load(open(tmp_path / "data" / "manifest.json"))
+    assert manifest["complete"] and len(manifest["shards"]) == 4

@@ -2,6 +2,7 @@ import io
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import mid_train
@@ -29,8 +30,12 @@ def test_greedy_generation_with_cache_equals_without():
 
 def test_generation_past_the_context_keeps_going():
     model = tiny_model(block_size=16)
-    tokens = list(generate(model, torch.randint(0, 50257, (1, 10)), 40, 50257, temperature=0))
-    assert len(tokens) == 40
+    prompt = torch.randint(0, 50257, (1, 10))
+    tokens = torch.cat(list(generate(model, prompt, 40, 50257, temperature=0)), dim=1)
+    assert tokens.shape == (1, 40)
+    # with and without the cache, the same tokens while prompt and sample fit in the context: the first 16 - 10 + 1
+    without = torch.cat(list(generate(model, prompt, 40, 50257, temperature=0, use_cache=False)), dim=1)
+    assert torch.equal(tokens[:, :7], without[:, :7])
 
 
 def test_top_k_and_top_p_keep_exactly_the_right_tokens():
@@ -144,6 +149,19 @@ def test_chat_runs_the_models_calculator_call_and_the_model_reads_on_from_its_re
     assert "assistant: Let me see: <|python_start|>__import__('os').getcwd()<|python_end|> done.\n" in out
     assert len(inputs) == 4 and "<|output_start|>" not in inputs[3].rpartition("<|user_start|>")[2]
     assert "not arithmetic" in err
+
+
+def test_piped_chat_answers_every_question_and_refuses_input_that_is_not_utf8(monkeypatch, capsys):
+    enc = sample.get_chat_tokenizer()
+    generate_from = lambda ids, max_new_tokens: iter([torch.tensor([[enc.encode_single_token("<|assistant_end|>")]])])
+    monkeypatch.setattr(sys, "stdin", io.StringIO("first?\n\n  \nsecond?\n"))  # blank lines between questions
+    sample.chat(enc, generate_from, 10)
+    assert capsys.readouterr().out == "user: first?\nassistant: \nuser: second?\nassistant: \n"
+    # in a C locale, stdin reads the byte 0xe9 of Latin-1's "café" as a lone surrogate
+    monkeypatch.setattr(sys, "stdin", io.StringIO("caf\udce9?\n"))
+    with pytest.raises(SystemExit) as exit_info:
+        sample.chat(enc, generate_from, 10)
+    assert exit_info.value.code == 2 and "error: a line on stdin is not UTF-8" in capsys.readouterr().err
 
 
 def test_a_checkpoint_made_before_the_calculators_tokens_loads_and_chats(tmp_path):
