@@ -39,8 +39,23 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 # ---- shared: ranks ----
 # This process's place among the processes torchrun started. Without torchrun the whole run is rank 0 of 1.
-rank = int(os.environ.get("RANK", 0))
-world_size = int(os.environ.get("WORLD_SIZE", 1))
+def torchrun_variables():
+    """RANK and WORLD_SIZE. Malformed ones, or LOCAL_RANK, or under several processes MASTER_ADDR and MASTER_PORT
+    (set by hand, or by another launcher), are one error line here, before any work."""
+    env = {name: os.environ.get(name, default) for name, default in
+           (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"))}
+    if env["WORLD_SIZE"] != "1":  # the processes meet at MASTER_ADDR:MASTER_PORT
+        env.update(MASTER_ADDR=os.environ.get("MASTER_ADDR", ""), MASTER_PORT=os.environ.get("MASTER_PORT", ""))
+    if not (all(env[name].isdecimal() for name in env if name != "MASTER_ADDR")
+            and int(env["RANK"]) < int(env["WORLD_SIZE"]) and env.get("MASTER_ADDR", "-")
+            and 0 < int(env.get("MASTER_PORT", 1)) < 65536):
+        print(f"error: torchrun's variables are malformed ({', '.join(f'{k}={v!r}' for k, v in env.items())}): "
+              f"launch with torchrun, or unset them", file=sys.stderr)
+        sys.exit(2)
+    return int(env["RANK"]), int(env["WORLD_SIZE"])
+
+
+rank, world_size = torchrun_variables()
 master_process = rank == 0  # rank 0 prints, logs and writes checkpoints
 
 
@@ -486,7 +501,7 @@ def main(argv=None):
         train_loader = ShardLoader(train_files, B, T, rank, world_size, device)
     val_loader = ShardLoader(val_files, B, T, rank, world_size, device)
     val_steps = max(1, args.val_tokens // micro_step_tokens)
-    if val_steps > val_loader.num_windows:
+    if val_steps > val_loader.num_windows and args.eval_every:
         val_steps = val_loader.num_windows
         print0(f"--val_tokens {args.val_tokens:,} is more than the val shards hold: each eval reads them once, "
                f"{val_steps * micro_step_tokens:,} tokens")
@@ -495,6 +510,11 @@ def main(argv=None):
         hellaswag_examples = load_hellaswag(args.hellaswag_file)
     enc = get_tokenizer()
     token_bytes = token_byte_counts(enc, raw_model.config.vocab_size, device)  # for val bits per byte
+    # each sample is a document that starts with the prompt: in the shards <|endoftext|> comes first
+    try:  # now, not at the first sample after hours of training
+        prompt_ids = [EOT_TOKEN] + enc.encode(args.prompt)
+    except ValueError as e:  # tiktoken refuses a special token's text
+        die(f"--prompt {args.prompt!r} holds a special token ({str(e).splitlines()[0]}); give the prompt without it")
 
     # ---- the training setup
     # raw_model is what is saved, sampled and scored; model is what trains and evaluates (DDP-wrapped,
@@ -546,8 +566,6 @@ def main(argv=None):
             # once in a while sample from the model (not at the start: it has learned nothing new yet); under
             # FSDP every rank runs the forward passes, as the weights are sharded
             if eval_now and args.num_samples and step > start_step and (master_process or args.fsdp):
-                # each sample is a document that starts with the prompt: in the shards <|endoftext|> comes first
-                prompt_ids = [EOT_TOKEN] + enc.encode(args.prompt)
                 samples = sample_tokens(raw_model, prompt_ids, args.num_samples, args.sample_len, enc.n_vocab,
                                         args.seed + step, device, autocast_ctx)
                 for i, sample in enumerate(samples):
@@ -870,12 +888,8 @@ def checkpoint_files(folder):
     return sorted(glob.glob(os.path.join(glob.escape(folder), CHECKPOINT_GLOB)))
 
 
-def load_checkpoint(path, mmap=False):
-    """(checkpoint, its path): a checkpoint file, or the newest one in an out_dir. One that does not load (a
-    truncated, empty or foreign file) is a one-line error naming it: checkpoints are written whole, so only damage
-    from outside makes one, and it is moved aside rather than passed over."""
-    if os.path.isdir(path) and checkpoint_files(path):
-        path = checkpoint_files(path)[-1]
+def read_checkpoint(path, mmap=False):
+    """(checkpoint, None) of a file that loads; (None, the reason) of a truncated, empty or foreign one."""
     try:
         # mmap: a tensor is read from the file only when it is used
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
@@ -887,7 +901,17 @@ def load_checkpoint(path, mmap=False):
             raise KeyError("model")
     except Exception as e:
         # torch's messages run to several sentences (and advice for a trusted file): the first says what failed
-        reason = (str(e).strip() or type(e).__name__).splitlines()[0].split(". ")[0]
+        return None, (str(e).strip() or type(e).__name__).splitlines()[0].split(". ")[0]
+    return checkpoint, None
+
+
+def load_checkpoint(path, mmap=False):
+    """(checkpoint, its path): a checkpoint file, or the newest one in an out_dir. One that does not load is a
+    one-line error naming it (the trainers go on from the newest readable one: newest_readable_checkpoint)."""
+    if os.path.isdir(path) and checkpoint_files(path):
+        path = checkpoint_files(path)[-1]
+    checkpoint, reason = read_checkpoint(path, mmap)
+    if reason:
         die(f"no readable checkpoint at {path} (not a train_gpt2.py/mid_train.py checkpoint, or damaged: {reason}): "
             f"give a ckpt_*.pt file of theirs, or an out_dir holding one; a damaged newest one: move it aside, or "
             f"start afresh in another --out_dir")
@@ -949,6 +973,8 @@ def continue_run(args, argv, fixed, kind):
     the data) must stay. args.resume_checkpoint is its path (None: a new run). `kind` is this script's checkpoint
     kind: a folder of the other script's run is refused."""
     if args.run:
+        if os.path.basename(args.run) in ("", ".", "..") or os.path.basename(args.run) != args.run:
+            die(f"--run {args.run!r} is a name (the run goes to out/RUN), not a path; give --out_dir for a folder")
         take_defaults(args, argv, {"out_dir": os.path.join("out", args.run)})
     args.resume_checkpoint = None
     if args.dry_run:
@@ -960,9 +986,18 @@ def continue_run(args, argv, fixed, kind):
         args.out_dir, args.save_every = os.devnull, 0  # a folder that holds nothing and takes nothing
         return
     refuse_ignored(argv, {"--save_every 0": (args.save_every == 0, ["keep_checkpoints"])})
-    if not args.resume and not checkpoint_files(args.out_dir):
+    # the checkpoints, log and lock would land among the code (or in a folder holding it, or the one run from)
+    here = os.path.realpath(os.getcwd()), os.path.dirname(os.path.realpath(__file__))
+    if any(os.path.commonpath([os.path.realpath(args.out_dir), path]) == os.path.realpath(args.out_dir)
+           for path in here):
+        die(f"--out_dir {args.out_dir} holds the code or the folder run from; give the run a folder of its own "
+            f"(out/NAME)")
+    if not checkpoint_files(args.out_dir):
+        if args.resume:
+            die(f"--resume: --out_dir {args.out_dir} holds no checkpoint to continue from; drop --resume to start "
+                f"a new run")
         return
-    checkpoint, path = load_checkpoint(args.out_dir, mmap=True)  # no tensor is read yet
+    checkpoint, path = newest_readable_checkpoint(args.out_dir)  # no tensor is read yet
     if checkpoint.get("kind") != kind:
         die(f"--out_dir {args.out_dir} holds a run of the other script ({checkpoint.get('kind')} checkpoints): "
             f"give this run another --out_dir")
@@ -995,6 +1030,27 @@ def continue_run(args, argv, fixed, kind):
     print0(f"--out_dir {args.out_dir} holds a run: continuing it from {path}, at step {checkpoint['step']} (a new "
            f"run needs another --out_dir)")
     args.resume_checkpoint = path
+
+
+def newest_readable_checkpoint(out_dir):
+    """(checkpoint, path) of the newest checkpoint in out_dir that loads (memory-mapped: no tensor is read yet).
+    A save is whole or absent, so a newer one that does not is damage from outside: under torchrun --max_restarts
+    or a requeued job nobody is there to move it, so it is moved aside as NAME.damaged (never deleted), in a line.
+    None loads: one error line."""
+    damaged = []
+    for path in checkpoint_files(out_dir)[::-1]:
+        checkpoint, reason = read_checkpoint(path, mmap=True)
+        if checkpoint is not None:
+            break
+        damaged.append((path, reason))
+    if checkpoint is None:
+        load_checkpoint(out_dir)  # its error line
+    for bad, reason in damaged:
+        if master_process:
+            os.replace(bad, bad + ".damaged")
+        print0(f"{bad} is damaged ({reason}): moved it aside to {bad}.damaged; the run goes on from the newest "
+               f"readable checkpoint, {path}")
+    return checkpoint, path
 
 
 def take_out_dir(args):
@@ -1231,8 +1287,10 @@ class RunLog:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
         except OSError as e:
-            die(f"cannot write {self.path} ({e.strerror}); free space (or move --out_dir), then go on with "
-                f"--resume from the newest checkpoint: a half-written last line is dropped then")
+            go_on = ("go on with --resume from the newest checkpoint: a half-written last line is dropped then"
+                     if checkpoint_files(self.args.out_dir) else "run the same command again: no checkpoint was "
+                     "saved yet, so the run starts anew")
+            die(f"cannot write {self.path} ({e.strerror}); free space (or move --out_dir), then {go_on}")
         if self.args.wandb_project:
             import wandb
             wandb.log(record, step=record["step"])

@@ -72,7 +72,7 @@ def test_epochs_repeat_each_conversation(tmp_path):
     write_chat(tmp_path / "a.jsonl", conversations(50))
     args = mid_train.get_args(["--init_from", "gpt2", "--data", f"chat:{tmp_path / 'a.jsonl'}:3",
                                "--val_fraction", "0.1", "--out_dir", str(tmp_path / "run")])
-    splits = mid_train.build_data(args, mid_train.get_chat_tokenizer(), 65)
+    splits, _ = mid_train.build_data(args, mid_train.get_chat_tokenizer(), 65)
     assert splits["train"][2] == 45 * 3 and splits["val"][2] == 5
 
 
@@ -84,7 +84,7 @@ def test_each_epoch_is_packed_on_its_own_into_compact_arrays(tmp_path):
                                "--data", f"chat:{tmp_path / 'a.jsonl'}:2",
                                "--val_fraction", "0.1"])
     enc = mid_train.get_chat_tokenizer()
-    tokens, mask, count = mid_train.build_data(args, enc, 65)["train"]
+    tokens, mask, count = mid_train.build_data(args, enc, 65)[0]["train"]
     rows = [re.findall(r"about number (\d+)\.", enc.decode(row.tolist())) for row in tokens]
     assert all(len(set(row)) == len(row) for row in rows)  # no row holds two copies of one conversation
     uses = Counter(i for row in rows for i in row)
@@ -128,7 +128,7 @@ def test_fsdp_with_fewer_val_rows_than_ranks_times_batch_matches_ddp_and_the_ref
 
     # step 0's train loss (8 rows, 4 on each rank) and val loss: the mean over every learned token, from the model
     args = mid_train.get_args(list(map(str, [*flags, "--out_dir", tmp_path / "run"])))
-    splits = mid_train.build_data(args, mid_train.get_chat_tokenizer(), 65)
+    splits, _ = mid_train.build_data(args, mid_train.get_chat_tokenizer(), 65)
     model = mid_train.model_from_checkpoint(mid_train.load_checkpoint(base_ckpt)[0])
     for (tokens, mask, _), logged in ((splits["train"], a[0]), (splits["val"], val_a[0])):
         tokens, mask = torch.from_numpy(tokens[:8]).long(), torch.from_numpy(mask[:8])
@@ -250,7 +250,7 @@ def test_spelling_tasks_are_nanochats_rows_generated_from_a_word_list_the_same_f
                                "--data", f"chat:{tmp_path / 'chat.jsonl'}",
                                f"simplespelling:{tmp_path / 'words.txt'}:30", f"spellingbee:{tmp_path / 'words.txt'}:12",
                                "--val_fraction", "0.1"])
-    splits = mid_train.build_data(args, enc, 1025)
+    splits, _ = mid_train.build_data(args, enc, 1025)
     assert splits["train"][2] == 18 + 30 + 12 and splits["val"][2] == 2
 
 
@@ -263,7 +263,7 @@ def test_val_is_a_share_held_out_of_each_source_read_from_files(tmp_path, capsys
                                "--data", f"chat:{tmp_path / 'chat.jsonl'}:2", f"gsm8k:{tmp_path / 'gsm8k.jsonl'}",
                                f"spellingbee:{tmp_path / 'words.txt'}:12", "--val_fraction", "0.1"])
     enc = mid_train.get_chat_tokenizer()
-    splits = mid_train.build_data(args, enc, 1025)
+    splits, _ = mid_train.build_data(args, enc, 1025)
     # train: 36 chats twice, 18 GSM8K rows and 12 generated ones; val: 4 chats and 2 GSM8K rows, none generated
     assert splits["train"][2] == 36 * 2 + 18 + 12 and splits["val"][2] == 4 + 2
     train_text, val_text = (enc.decode(splits[name][0].flatten().tolist()) for name in ("train", "val"))
