@@ -271,3 +271,30 @@ def test_val_is_a_share_held_out_of_each_source_read_from_files(tmp_path, capsys
     assert len(val_questions) == 2 and not val_questions & set(re.findall(r"May\? \((\d+)\)", train_text))
     held_out = [line for line in capsys.readouterr().out.splitlines() if "held out" in line]  # said in a line
     assert len(held_out) == 2 and "chat.jsonl held out, 4 conversations" in held_out[0], held_out
+
+
+def test_a_mixture_of_generated_sources_only_evaluates_on_rows_of_another_seed(tmp_path, capsys):
+    """A spelling-only mixture can be trained: it holds out no rows of its own, so --val_fraction of its rows are
+    generated for val from another seed, and a line says so."""
+    write_words(tmp_path / "words.txt")
+    args = mid_train.get_args(["--init_from", "gpt2", "--out_dir", str(tmp_path / "run"),
+                               "--data", f"simplespelling:{tmp_path / 'words.txt'}:200"])
+    splits, _ = mid_train.build_data(args, mid_train.get_chat_tokenizer(), 1025)
+    assert splits["train"][2] == 200 and splits["val"][2] == 4  # 2% of 200
+    assert "simplespelling" in capsys.readouterr().out.split("4 conversations generated with another seed")[0]
+
+
+def test_a_continued_run_refuses_data_changed_since_even_reordered(base_ckpt, tmp_path):
+    """Reordered rows keep every count the same; the hash of each source's rows, kept in the checkpoint, does
+    not: the run goes on only on the rows it trained on."""
+    convs = conversations(40)
+    write_chat(tmp_path / "chat.jsonl", convs)
+    at = MID.index("--num_samples")  # --eval_every 0 refuses it
+    flags = [*MID[:at], *MID[at + 2:], "--init_ckpt", base_ckpt, "--data", f"chat:{tmp_path / 'chat.jsonl'}",
+             "--eval_every", 0, "--out_dir", tmp_path / "run"]
+    run("mid_train.py", *flags, "--max_steps", 2, check=True)
+    write_chat(tmp_path / "chat.jsonl", convs[::-1])
+    proc = run("mid_train.py", *flags, "--max_steps", 3)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert f"--data chat:{tmp_path / 'chat.jsonl'}: its conversations are not those" in lines[0], lines[0]
