@@ -832,6 +832,7 @@ def main(argv=None):
             metrics = train_step(model, optimizers, scaler, lambda: next(train_batches), grad_accum_steps,
                                  step_tokens, args.grad_clip, autocast_ctx)
             metrics = sync_ranks(metrics)  # the step's one host sync: the means over the ranks
+            state["step"] = step + 1  # the weights are the next step's now: what a save at a fault holds
             seconds = time.perf_counter() - t0
             # the step's loss judges the weights it started from: a checkpoint of them is kept, or it diverged
             judge_checkpoint(args, step, metrics, saved)
@@ -839,6 +840,8 @@ def main(argv=None):
             log.step(step, {**metrics, **learning_rates}, seconds, step // steps_per_pass)
     except StopRun:
         stop_run(args, state, save)
+    except Exception as fault:
+        save_at_fault(args, state, start_step, save, fault)
     end_run(args)
 
 # -----------------------------------------------------------------------------
@@ -1400,6 +1403,22 @@ def stop_run(args, state, save):
     print0(f"stopped by signal at step {state['step']}; {outcome}", flush=True)
 
 
+class LateFault(Exception):
+    """A fault that no check before the first step can see (a failed log write), in one line: save_at_fault says it
+    once the steps made are saved."""
+
+
+def save_at_fault(args, state, start_step, save, fault):
+    """A fault in the loop (a failed log write, out of memory in an eval, a bug): the step the run was at is saved
+    first, so that no step made is lost, then the fault is said. One process only: under torchrun the other ranks
+    would wait for this one in the save's collectives."""
+    if world_size == 1 and args.save_every and state["step"] > start_step:
+        save()
+    if isinstance(fault, LateFault):
+        die(str(fault))
+    raise fault
+
+
 def end_run(args):
     """The run's end, however it ends: wandb's run, and the process group."""
     if master_process and args.wandb_project and not args.dry_run:
@@ -1496,7 +1515,10 @@ class RunLog:
                 write_file(self.path, lambda f: f.writelines(kept), "free space in --out_dir or give another one")
             if args.wandb_project:
                 self.start_wandb()
-        self({"step": state["step"], "flags": vars(args), "environment": run_environment(device_name)})
+        try:
+            self({"step": state["step"], "flags": vars(args), "environment": run_environment(device_name)})
+        except LateFault as fault:  # before the first step: nothing to save
+            die(str(fault))
 
     def start_wandb(self):
         import wandb
@@ -1529,10 +1551,9 @@ class RunLog:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
         except OSError as e:
-            go_on = ("go on with --resume from the newest checkpoint: a half-written last line is dropped then"
-                     if checkpoint_files(self.args.out_dir) else "run the same command again: no checkpoint was "
-                     "saved yet, so the run starts anew")
-            die(f"cannot write {self.path} ({e.strerror}); free space (or move --out_dir), then {go_on}")
+            raise LateFault(f"cannot write {self.path} ({e.strerror}); free space (or move --out_dir), then run the "
+                            f"same command again: it continues from the newest checkpoint if there is one (a "
+                            f"half-written last line is dropped), else it starts anew")
         if self.args.wandb_project:
             import wandb
             wandb.log(record, step=record["step"])

@@ -537,12 +537,12 @@ def main(argv=None):
            f"= {epoch_tokens / args.total_batch_size:,.1f} steps")
 
     def save():
-        state["loader"] = train_loader.state()
         save_checkpoint(raw_model, optimizers, scaler, args, state, kind="base")
 
     try:
         for step in range(start_step, args.max_steps + 1):
             state["step"] = step
+            state["loader"] = train_loader.state()  # where the step starts, also for a save at a fault within it
             last_step = step == args.max_steps
             # (a continued run evaluates where it goes on from: its checkpoint's last eval may be off the grid)
             eval_now = args.eval_every and (step % args.eval_every == 0 or last_step or step == start_step)
@@ -588,12 +588,16 @@ def main(argv=None):
             metrics = train_step(model, optimizers, scaler, train_loader.next_batch, grad_accum_steps,
                                  args.total_batch_size, args.grad_clip, autocast_ctx)
             metrics = sync_ranks(metrics)  # the step's one host sync: the means over the ranks
+            # the weights are the next step's now: what a save at a fault from here on holds
+            state["step"], state["loader"] = step + 1, train_loader.state()
             seconds = time.perf_counter() - t0
             # the step's loss judges the weights it started from: a checkpoint of them is kept, or it diverged
             judge_checkpoint(args, step, metrics, saved)
             log.step(step, {**metrics, **learning_rates}, seconds, train_loader.epoch)  # a line every --log_every steps
     except StopRun:
         stop_run(args, state, save)
+    except Exception as fault:
+        save_at_fault(args, state, start_step, save, fault)
     end_run(args)
 
 
@@ -1158,6 +1162,22 @@ def stop_run(args, state, save):
     print0(f"stopped by signal at step {state['step']}; {outcome}", flush=True)
 
 
+class LateFault(Exception):
+    """A fault that no check before the first step can see (a failed log write), in one line: save_at_fault says it
+    once the steps made are saved."""
+
+
+def save_at_fault(args, state, start_step, save, fault):
+    """A fault in the loop (a failed log write, out of memory in an eval, a bug): the step the run was at is saved
+    first, so that no step made is lost, then the fault is said. One process only: under torchrun the other ranks
+    would wait for this one in the save's collectives."""
+    if world_size == 1 and args.save_every and state["step"] > start_step:
+        save()
+    if isinstance(fault, LateFault):
+        die(str(fault))
+    raise fault
+
+
 def end_run(args):
     """The run's end, however it ends: wandb's run, and the process group."""
     if master_process and args.wandb_project and not args.dry_run:
@@ -1254,7 +1274,10 @@ class RunLog:
                 write_file(self.path, lambda f: f.writelines(kept), "free space in --out_dir or give another one")
             if args.wandb_project:
                 self.start_wandb()
-        self({"step": state["step"], "flags": vars(args), "environment": run_environment(device_name)})
+        try:
+            self({"step": state["step"], "flags": vars(args), "environment": run_environment(device_name)})
+        except LateFault as fault:  # before the first step: nothing to save
+            die(str(fault))
 
     def start_wandb(self):
         import wandb
@@ -1287,10 +1310,9 @@ class RunLog:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
         except OSError as e:
-            go_on = ("go on with --resume from the newest checkpoint: a half-written last line is dropped then"
-                     if checkpoint_files(self.args.out_dir) else "run the same command again: no checkpoint was "
-                     "saved yet, so the run starts anew")
-            die(f"cannot write {self.path} ({e.strerror}); free space (or move --out_dir), then {go_on}")
+            raise LateFault(f"cannot write {self.path} ({e.strerror}); free space (or move --out_dir), then run the "
+                            f"same command again: it continues from the newest checkpoint if there is one (a "
+                            f"half-written last line is dropped), else it starts anew")
         if self.args.wandb_project:
             import wandb
             wandb.log(record, step=record["step"])
