@@ -29,8 +29,23 @@ import torch.nn.functional as F
 
 # ---- shared: ranks ----
 # This process's place among the processes torchrun started. Without torchrun the whole run is rank 0 of 1.
-rank = int(os.environ.get("RANK", 0))
-world_size = int(os.environ.get("WORLD_SIZE", 1))
+def torchrun_variables():
+    """RANK and WORLD_SIZE. Malformed ones, or LOCAL_RANK, or under several processes MASTER_ADDR and MASTER_PORT
+    (set by hand, or by another launcher), are one error line here, before any work."""
+    env = {name: os.environ.get(name, default) for name, default in
+           (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"))}
+    if env["WORLD_SIZE"] != "1":  # the processes meet at MASTER_ADDR:MASTER_PORT
+        env.update(MASTER_ADDR=os.environ.get("MASTER_ADDR", ""), MASTER_PORT=os.environ.get("MASTER_PORT", ""))
+    if not (all(env[name].isdecimal() for name in env if name != "MASTER_ADDR")
+            and int(env["RANK"]) < int(env["WORLD_SIZE"]) and env.get("MASTER_ADDR", "-")
+            and 0 < int(env.get("MASTER_PORT", 1)) < 65536):
+        print(f"error: torchrun's variables are malformed ({', '.join(f'{k}={v!r}' for k, v in env.items())}): "
+              f"launch with torchrun, or unset them", file=sys.stderr)
+        sys.exit(2)
+    return int(env["RANK"]), int(env["WORLD_SIZE"])
+
+
+rank, world_size = torchrun_variables()
 master_process = rank == 0  # rank 0 prints, logs and writes checkpoints
 
 
@@ -616,12 +631,8 @@ def checkpoint_files(folder):
     return sorted(glob.glob(os.path.join(glob.escape(folder), CHECKPOINT_GLOB)))
 
 
-def load_checkpoint(path, mmap=False):
-    """(checkpoint, its path): a checkpoint file, or the newest one in an out_dir. One that does not load (a
-    truncated, empty or foreign file) is a one-line error naming it: checkpoints are written whole, so only damage
-    from outside makes one, and it is moved aside rather than passed over."""
-    if os.path.isdir(path) and checkpoint_files(path):
-        path = checkpoint_files(path)[-1]
+def read_checkpoint(path, mmap=False):
+    """(checkpoint, None) of a file that loads; (None, the reason) of a truncated, empty or foreign one."""
     try:
         # mmap: a tensor is read from the file only when it is used
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
@@ -633,7 +644,17 @@ def load_checkpoint(path, mmap=False):
             raise KeyError("model")
     except Exception as e:
         # torch's messages run to several sentences (and advice for a trusted file): the first says what failed
-        reason = (str(e).strip() or type(e).__name__).splitlines()[0].split(". ")[0]
+        return None, (str(e).strip() or type(e).__name__).splitlines()[0].split(". ")[0]
+    return checkpoint, None
+
+
+def load_checkpoint(path, mmap=False):
+    """(checkpoint, its path): a checkpoint file, or the newest one in an out_dir. One that does not load is a
+    one-line error naming it (the trainers go on from the newest readable one: newest_readable_checkpoint)."""
+    if os.path.isdir(path) and checkpoint_files(path):
+        path = checkpoint_files(path)[-1]
+    checkpoint, reason = read_checkpoint(path, mmap)
+    if reason:
         die(f"no readable checkpoint at {path} (not a train_gpt2.py/mid_train.py checkpoint, or damaged: {reason}): "
             f"give a ckpt_*.pt file of theirs, or an out_dir holding one; a damaged newest one: move it aside, or "
             f"start afresh in another --out_dir")

@@ -30,6 +30,7 @@ keeps them equal).
 """
 
 import bisect
+import hashlib
 import itertools
 import random
 import string
@@ -59,8 +60,23 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 # ---- shared: ranks ----
 # This process's place among the processes torchrun started. Without torchrun the whole run is rank 0 of 1.
-rank = int(os.environ.get("RANK", 0))
-world_size = int(os.environ.get("WORLD_SIZE", 1))
+def torchrun_variables():
+    """RANK and WORLD_SIZE. Malformed ones, or LOCAL_RANK, or under several processes MASTER_ADDR and MASTER_PORT
+    (set by hand, or by another launcher), are one error line here, before any work."""
+    env = {name: os.environ.get(name, default) for name, default in
+           (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"))}
+    if env["WORLD_SIZE"] != "1":  # the processes meet at MASTER_ADDR:MASTER_PORT
+        env.update(MASTER_ADDR=os.environ.get("MASTER_ADDR", ""), MASTER_PORT=os.environ.get("MASTER_PORT", ""))
+    if not (all(env[name].isdecimal() for name in env if name != "MASTER_ADDR")
+            and int(env["RANK"]) < int(env["WORLD_SIZE"]) and env.get("MASTER_ADDR", "-")
+            and 0 < int(env.get("MASTER_PORT", 1)) < 65536):
+        print(f"error: torchrun's variables are malformed ({', '.join(f'{k}={v!r}' for k, v in env.items())}): "
+              f"launch with torchrun, or unset them", file=sys.stderr)
+        sys.exit(2)
+    return int(env["RANK"]), int(env["WORLD_SIZE"])
+
+
+rank, world_size = torchrun_variables()
 master_process = rank == 0  # rank 0 prints, logs and writes checkpoints
 
 
@@ -135,10 +151,12 @@ def get_args(argv=None):
         die("--demo trains on data/demo/chat.jsonl, which is missing: run python prepare_fineweb.py --demo first")
     if args.demo and args.init_ckpt and not args.resume_checkpoint and not os.path.exists(args.init_ckpt):
         die(f"--demo starts from {args.init_ckpt}, which is missing: run python train_gpt2.py --demo first")
-    # --val_fraction holds out a share of each source read from files
+    # --val_fraction holds out a share of each source read from files (or generates it, for generated ones only)
     sources = [parse_source(spec) for spec in args.data]
     from_files = any(path != "hub" and "generate" not in TASKS[kind] for kind, path, _ in sources)
-    refuse_ignored(argv, {"no --data source read from files": (not from_files, ["val_fraction"]),
+    generated_only = all("generate" in TASKS[kind] for kind, _, _ in sources)
+    refuse_ignored(argv, {"no --data source read from files": (not from_files and not generated_only,
+                                                                ["val_fraction"]),
                            "--eval_every 0": (args.eval_every == 0, ["num_samples", "sample_len", "prompt"])})
     return args
 
@@ -425,11 +443,12 @@ def read_jsonl(path):
 
 def local_path(path):
     """A PATH of --data as it is, but a URL: its file downloaded once into torch's cache (~/.cache/torch/hub, or
-    $TORCH_HOME/hub), and that path."""
+    $TORCH_HOME/hub), and that path. The file is named by a hash of the whole URL and its own name: another URL's
+    file of the same name is another file."""
     if not re.match(r"https?://", path):
         return path
     folder = torch.hub.get_dir()
-    local = os.path.join(folder, os.path.basename(path))
+    local = os.path.join(folder, f"{hashlib.sha256(path.encode()).hexdigest()[:16]}_{os.path.basename(path)}")
     if not os.path.exists(local):
         try:
             os.makedirs(folder, exist_ok=True)
@@ -606,11 +625,12 @@ def pack_rows(conversations, capacity, rng):
 
 def build_data(args, enc, capacity):
     """Train and val rows, and a line on each source. A hub source's val is its test split on the hub; a source
-    read from files gives its first val_fraction (after a seeded shuffle); a generated one gives none. A
+    read from files gives its first val_fraction (after a seeded shuffle); a generated one gives none, but in a
+    mixture of generated ones only, which gives val_fraction of its rows generated from another seed. A
     conversation longer than a row is cropped, and one left with no text for the assistant to learn (none
     written, or cropped off) is left out, with a line. Each train epoch is packed on its own, so no row holds two
     copies of a conversation; epoch e holds the sources with more than e epochs. Returns each split's tokens,
-    loss mask and conversations (with epochs)."""
+    loss mask and conversations (with epochs), and a hash of each source's rows."""
 
     def conversations_of(kind, path, count, split):
         if "generate" in TASKS[kind]:
@@ -628,20 +648,38 @@ def build_data(args, enc, capacity):
                    f"{len(conversations) - len(kept):,} left out with no text to learn")
         return kept
 
-    val, train_epochs = [], {}  # train_epochs: epoch -> its conversations
-    for kind, path, count in map(parse_source, args.data):
+    # A mixture of generated sources only evaluates on rows generated from another seed, --val_fraction of theirs:
+    # with nothing held out it could not be evaluated at all.
+    generated_only = all("generate" in TASKS[kind] for kind, _, _ in map(parse_source, args.data))
+    val, train_epochs, hashes = [], {}, {}  # train_epochs: epoch -> its conversations; hashes: source -> its rows'
+    for spec in args.data:
+        kind, path, count = parse_source(spec)
         generated = "generate" in TASKS[kind]
         conversations = conversations_of(kind, path, count, "train")
-        n_val = 0
+        n_val, held_out = 0, []
         if path == "hub" and not generated:  # at most val_rows of the test split
-            test_split = conversations_of(kind, path, count, "test")[:TASKS[kind]["val_rows"]]
-            val += test_split
-            print0(f"val: {kind}:hub test split, {len(test_split):,} conversations")
+            held_out = conversations_of(kind, path, count, "test")[:TASKS[kind]["val_rows"]]
+            print0(f"val: {kind}:hub test split, {len(held_out):,} conversations")
+        elif generated and generated_only:
+            held_out = conversations_of(kind, path, math.ceil(len(conversations) * args.val_fraction), "val")
+            print0(f"val: {kind}:{path}, {len(held_out):,} conversations generated with another seed "
+                   f"(--val_fraction {args.val_fraction:g} of its rows)")
         elif not generated:
             n_val = math.ceil(len(conversations) * args.val_fraction)
             print0(f"val: {kind}:{path} held out, {n_val:,} conversations (--val_fraction {args.val_fraction:g})")
-        val += conversations[:n_val]
+        val += conversations[:n_val] + held_out
+        # what a continued run checks its data by: the rows in their order (a reordered file shuffles otherwise)
+        digest = hashlib.sha256()
+        for ids, mask in conversations + held_out:
+            digest.update(len(ids).to_bytes(4, "little") + ids.tobytes() + mask.tobytes())
+        hashes[spec] = digest.hexdigest()[:16]
         epochs = 1 if generated else count or 1
+        # the epochs are packed in memory before the first step: a count that cannot fit is refused now
+        packed_bytes = 3 * epochs * sum(len(ids) for ids, _ in conversations[n_val:])
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if packed_bytes > memory:
+            die(f"--data {spec}: {epochs:,} epochs of its conversations pack into {packed_bytes / 2**30:,.0f} GiB, "
+                f"more than this machine's {memory / 2**30:,.0f} GiB of memory; give fewer epochs")
         for epoch in range(epochs):
             train_epochs.setdefault(epoch, []).extend(conversations[n_val:])
         print0(f"train: {kind}:{path}, {len(conversations) - n_val:,} conversations x{epochs}")
@@ -651,7 +689,7 @@ def build_data(args, enc, capacity):
         packed = [pack_rows(part, capacity, random.Random(args.seed + 1 + i)) for i, part in enumerate(parts)]
         tokens, masks = zip(*packed)
         splits[name] = (np.concatenate(tokens), np.concatenate(masks), sum(map(len, parts)))
-    return splits
+    return splits, hashes
 
 
 def row_batches(tokens, mask, B, first_row, device):
@@ -757,18 +795,23 @@ def main(argv=None):
     args.seq_len = T
 
     # ---- the data: conversations rendered and packed into rows of T + 1 tokens
-    splits = build_data(args, enc, T + 1)
+    splits, data_hashes = build_data(args, enc, T + 1)
     train_tokens, train_mask, n_train = splits["train"]
     val_tokens, val_mask, n_val = splits["val"]
+    # A continued run reads the rows it read before: a source changed since (edited, reordered) is refused.
+    if checkpoint and checkpoint.get("data_hashes", data_hashes) != data_hashes:
+        changed = [spec for spec in data_hashes if checkpoint["data_hashes"].get(spec) != data_hashes[spec]]
+        die(f"--data {changed[0]}: its conversations are not those the run in {args.out_dir} trained on (edited, "
+            f"added, removed or reordered since); restore them, or start afresh in another --out_dir")
     # A step reads step_rows rows, over all ranks, and a pass over the train rows whole steps: the rows a step
     # reads follow from its number.
     step_rows = grad_accum_steps * micro_step_rows
     steps_per_pass = len(train_tokens) // step_rows
     if steps_per_pass == 0 or len(val_tokens) == 0:
         die(f"{len(train_tokens)} train rows and {len(val_tokens)} val rows of conversations with text to learn "
-            f"({n_train} and {n_val}; --val_fraction {args.val_fraction} held out), and a step reads {step_rows}; "
-            f"give more conversations with replies, or lower --total_batch_size, --micro_batch_size or "
-            f"--val_fraction")
+            f"({n_train} and {n_val}; --val_fraction {args.val_fraction} held out; rows of --seq_len {T}), and a "
+            f"step reads {step_rows}; give more conversations with replies, a longer --seq_len, or lower "
+            f"--total_batch_size, --micro_batch_size or --val_fraction")
     # Every rank must run as many val batches as the others (the stop check, the all-reduce and FSDP's
     # forwards are collectives): the val rows read are padded to whole micro-batches on every rank, with rows
     # that have no target (they add nothing to the loss or its count).
@@ -786,7 +829,7 @@ def main(argv=None):
 
     # ---- the run's state, in every checkpoint: a continued run takes it back whole
     state = dict(step=0, val_loss=None, best={"val_loss": math.inf, "val_bpb": math.inf}, tokens=0,
-                 train_seconds=0.0, wandb_run_id=None, chat_tokens=CHAT_TOKENS)
+                 train_seconds=0.0, wandb_run_id=None, chat_tokens=CHAT_TOKENS, data_hashes=data_hashes)
     if checkpoint:
         restore_run(checkpoint, state, raw_model, optimizers, scaler)
     start_step = state["step"]
@@ -847,6 +890,7 @@ def main(argv=None):
             metrics = train_step(model, optimizers, scaler, lambda: next(train_batches), grad_accum_steps,
                                  step_tokens, args.grad_clip, autocast_ctx)
             metrics = sync_ranks(metrics)  # the step's one host sync: the means over the ranks
+            state["step"] = step + 1  # the weights are the next step's now: what a save at a fault holds
             seconds = time.perf_counter() - t0
             # the step's loss judges the weights it started from: a checkpoint of them is kept, or it diverged
             judge_checkpoint(args, step, metrics, saved)
@@ -854,6 +898,8 @@ def main(argv=None):
             log.step(step, {**metrics, **learning_rates}, seconds, step // steps_per_pass)
     except StopRun:
         stop_run(args, state, save)
+    except Exception as fault:
+        save_at_fault(args, state, start_step, save, fault)
     end_run(args)
 
 # -----------------------------------------------------------------------------
@@ -1139,12 +1185,8 @@ def checkpoint_files(folder):
     return sorted(glob.glob(os.path.join(glob.escape(folder), CHECKPOINT_GLOB)))
 
 
-def load_checkpoint(path, mmap=False):
-    """(checkpoint, its path): a checkpoint file, or the newest one in an out_dir. One that does not load (a
-    truncated, empty or foreign file) is a one-line error naming it: checkpoints are written whole, so only damage
-    from outside makes one, and it is moved aside rather than passed over."""
-    if os.path.isdir(path) and checkpoint_files(path):
-        path = checkpoint_files(path)[-1]
+def read_checkpoint(path, mmap=False):
+    """(checkpoint, None) of a file that loads; (None, the reason) of a truncated, empty or foreign one."""
     try:
         # mmap: a tensor is read from the file only when it is used
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
@@ -1156,7 +1198,17 @@ def load_checkpoint(path, mmap=False):
             raise KeyError("model")
     except Exception as e:
         # torch's messages run to several sentences (and advice for a trusted file): the first says what failed
-        reason = (str(e).strip() or type(e).__name__).splitlines()[0].split(". ")[0]
+        return None, (str(e).strip() or type(e).__name__).splitlines()[0].split(". ")[0]
+    return checkpoint, None
+
+
+def load_checkpoint(path, mmap=False):
+    """(checkpoint, its path): a checkpoint file, or the newest one in an out_dir. One that does not load is a
+    one-line error naming it (the trainers go on from the newest readable one: newest_readable_checkpoint)."""
+    if os.path.isdir(path) and checkpoint_files(path):
+        path = checkpoint_files(path)[-1]
+    checkpoint, reason = read_checkpoint(path, mmap)
+    if reason:
         die(f"no readable checkpoint at {path} (not a train_gpt2.py/mid_train.py checkpoint, or damaged: {reason}): "
             f"give a ckpt_*.pt file of theirs, or an out_dir holding one; a damaged newest one: move it aside, or "
             f"start afresh in another --out_dir")
@@ -1196,6 +1248,8 @@ def continue_run(args, argv, fixed, kind):
     the data) must stay. args.resume_checkpoint is its path (None: a new run). `kind` is this script's checkpoint
     kind: a folder of the other script's run is refused."""
     if args.run:
+        if os.path.basename(args.run) in ("", ".", "..") or os.path.basename(args.run) != args.run:
+            die(f"--run {args.run!r} is a name (the run goes to out/RUN), not a path; give --out_dir for a folder")
         take_defaults(args, argv, {"out_dir": os.path.join("out", args.run)})
     args.resume_checkpoint = None
     if args.dry_run:
@@ -1207,9 +1261,18 @@ def continue_run(args, argv, fixed, kind):
         args.out_dir, args.save_every = os.devnull, 0  # a folder that holds nothing and takes nothing
         return
     refuse_ignored(argv, {"--save_every 0": (args.save_every == 0, ["keep_checkpoints"])})
-    if not args.resume and not checkpoint_files(args.out_dir):
+    # the checkpoints, log and lock would land among the code (or in a folder holding it, or the one run from)
+    here = os.path.realpath(os.getcwd()), os.path.dirname(os.path.realpath(__file__))
+    if any(os.path.commonpath([os.path.realpath(args.out_dir), path]) == os.path.realpath(args.out_dir)
+           for path in here):
+        die(f"--out_dir {args.out_dir} holds the code or the folder run from; give the run a folder of its own "
+            f"(out/NAME)")
+    if not checkpoint_files(args.out_dir):
+        if args.resume:
+            die(f"--resume: --out_dir {args.out_dir} holds no checkpoint to continue from; drop --resume to start "
+                f"a new run")
         return
-    checkpoint, path = load_checkpoint(args.out_dir, mmap=True)  # no tensor is read yet
+    checkpoint, path = newest_readable_checkpoint(args.out_dir)  # no tensor is read yet
     if checkpoint.get("kind") != kind:
         die(f"--out_dir {args.out_dir} holds a run of the other script ({checkpoint.get('kind')} checkpoints): "
             f"give this run another --out_dir")
@@ -1249,6 +1312,27 @@ def continue_run(args, argv, fixed, kind):
         print0(f"resume: the code differs from the checkpoint's ({', '.join(changed_code)} changed); the run goes on "
                f"with this code")
     args.resume_checkpoint = path
+
+
+def newest_readable_checkpoint(out_dir):
+    """(checkpoint, path) of the newest checkpoint in out_dir that loads (memory-mapped: no tensor is read yet).
+    A save is whole or absent, so a newer one that does not is damage from outside: under torchrun --max_restarts
+    or a requeued job nobody is there to move it, so it is moved aside as NAME.damaged (never deleted), in a line.
+    None loads: one error line."""
+    damaged = []
+    for path in checkpoint_files(out_dir)[::-1]:
+        checkpoint, reason = read_checkpoint(path, mmap=True)
+        if checkpoint is not None:
+            break
+        damaged.append((path, reason))
+    if checkpoint is None:
+        load_checkpoint(out_dir)  # its error line
+    for bad, reason in damaged:
+        if master_process:
+            os.replace(bad, bad + ".damaged")
+        print0(f"{bad} is damaged ({reason}): moved it aside to {bad}.damaged; the run goes on from the newest "
+               f"readable checkpoint, {path}")
+    return checkpoint, path
 
 
 def take_out_dir(args):
@@ -1356,6 +1440,22 @@ def stop_run(args, state, save):
     print0(f"stopped by signal at step {state['step']}; {outcome}", flush=True)
 
 
+class LateFault(Exception):
+    """A fault that no check before the first step can see (a failed log write), in one line: save_at_fault says it
+    once the steps made are saved."""
+
+
+def save_at_fault(args, state, start_step, save, fault):
+    """A fault in the loop (a failed log write, out of memory in an eval, a bug): the step the run was at is saved
+    first, so that no step made is lost, then the fault is said. One process only: under torchrun the other ranks
+    would wait for this one in the save's collectives."""
+    if world_size == 1 and args.save_every and state["step"] > start_step:
+        save()
+    if isinstance(fault, LateFault):
+        die(str(fault))
+    raise fault
+
+
 def end_run(args):
     """The run's end, however it ends: wandb's run, and the process group."""
     if master_process and args.wandb_project and not args.dry_run:
@@ -1458,8 +1558,11 @@ class RunLog:
                            "free space in --out_dir or give another one")
             if args.wandb_project:
                 self.start_wandb()
-        self({"step": state["step"], "flags": vars(args), "environment": run_environment(device_name),
-              "code": code})
+        try:
+            self({"step": state["step"], "flags": vars(args), "environment": run_environment(device_name),
+                  "code": code})
+        except LateFault as fault:  # before the first step: nothing to save
+            die(str(fault))
 
     def start_wandb(self):
         import wandb
@@ -1492,8 +1595,9 @@ class RunLog:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
         except OSError as e:
-            die(f"cannot write {self.path} ({e.strerror}); free space (or move --out_dir), then go on with "
-                f"--resume from the newest checkpoint: a half-written last line is dropped then")
+            raise LateFault(f"cannot write {self.path} ({e.strerror}); free space (or move --out_dir), then run the "
+                            f"same command again: it continues from the newest checkpoint if there is one (a "
+                            f"half-written last line is dropped), else it starts anew")
         if self.args.wandb_project:
             import wandb
             wandb.log(record, step=record["step"])

@@ -39,8 +39,23 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 # ---- shared: ranks ----
 # This process's place among the processes torchrun started. Without torchrun the whole run is rank 0 of 1.
-rank = int(os.environ.get("RANK", 0))
-world_size = int(os.environ.get("WORLD_SIZE", 1))
+def torchrun_variables():
+    """RANK and WORLD_SIZE. Malformed ones, or LOCAL_RANK, or under several processes MASTER_ADDR and MASTER_PORT
+    (set by hand, or by another launcher), are one error line here, before any work."""
+    env = {name: os.environ.get(name, default) for name, default in
+           (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"))}
+    if env["WORLD_SIZE"] != "1":  # the processes meet at MASTER_ADDR:MASTER_PORT
+        env.update(MASTER_ADDR=os.environ.get("MASTER_ADDR", ""), MASTER_PORT=os.environ.get("MASTER_PORT", ""))
+    if not (all(env[name].isdecimal() for name in env if name != "MASTER_ADDR")
+            and int(env["RANK"]) < int(env["WORLD_SIZE"]) and env.get("MASTER_ADDR", "-")
+            and 0 < int(env.get("MASTER_PORT", 1)) < 65536):
+        print(f"error: torchrun's variables are malformed ({', '.join(f'{k}={v!r}' for k, v in env.items())}): "
+              f"launch with torchrun, or unset them", file=sys.stderr)
+        sys.exit(2)
+    return int(env["RANK"]), int(env["WORLD_SIZE"])
+
+
+rank, world_size = torchrun_variables()
 master_process = rank == 0  # rank 0 prints, logs and writes checkpoints
 
 
@@ -549,7 +564,7 @@ def main(argv=None):
         train_loader = ShardLoader(train_files, B, T, rank, world_size, device)
     val_loader = ShardLoader(val_files, B, T, rank, world_size, device)
     val_steps = max(1, args.val_tokens // micro_step_tokens)
-    if val_steps > val_loader.num_windows:
+    if val_steps > val_loader.num_windows and args.eval_every:
         val_steps = val_loader.num_windows
         print0(f"--val_tokens {args.val_tokens:,} is more than the val shards hold: each eval reads them once, "
                f"{val_steps * micro_step_tokens:,} tokens")
@@ -558,6 +573,11 @@ def main(argv=None):
         hellaswag_examples = load_hellaswag(args.hellaswag_file)
     enc = get_tokenizer()
     token_bytes = token_byte_counts(enc, raw_model.config.vocab_size, device)  # for val bits per byte
+    # each sample is a document that starts with the prompt: in the shards <|endoftext|> comes first
+    try:  # now, not at the first sample after hours of training
+        prompt_ids = [EOT_TOKEN] + enc.encode(args.prompt)
+    except ValueError as e:  # tiktoken refuses a special token's text
+        die(f"--prompt {args.prompt!r} holds a special token ({str(e).splitlines()[0]}); give the prompt without it")
 
     # ---- the training setup
     # raw_model is what is saved, sampled and scored; model is what trains and evaluates (DDP-wrapped,
@@ -580,12 +600,12 @@ def main(argv=None):
            f"= {epoch_tokens / args.total_batch_size:,.1f} steps")
 
     def save():
-        state["loader"] = train_loader.state()
         save_checkpoint(raw_model, optimizers, scaler, args, state, kind="base")
 
     try:
         for step in range(start_step, args.max_steps + 1):
             state["step"] = step
+            state["loader"] = train_loader.state()  # where the step starts, also for a save at a fault within it
             last_step = step == args.max_steps
             # (a continued run evaluates where it goes on from: its checkpoint's last eval may be off the grid)
             eval_now = args.eval_every and (step % args.eval_every == 0 or last_step or step == start_step)
@@ -609,8 +629,6 @@ def main(argv=None):
             # once in a while sample from the model (not at the start: it has learned nothing new yet); under
             # FSDP every rank runs the forward passes, as the weights are sharded
             if eval_now and args.num_samples and step > start_step and (master_process or args.fsdp):
-                # each sample is a document that starts with the prompt: in the shards <|endoftext|> comes first
-                prompt_ids = [EOT_TOKEN] + enc.encode(args.prompt)
                 samples = sample_tokens(raw_model, prompt_ids, args.num_samples, args.sample_len, enc.n_vocab,
                                         args.seed + step, device, autocast_ctx)
                 for i, sample in enumerate(samples):
@@ -633,12 +651,16 @@ def main(argv=None):
             metrics = train_step(model, optimizers, scaler, train_loader.next_batch, grad_accum_steps,
                                  args.total_batch_size, args.grad_clip, autocast_ctx)
             metrics = sync_ranks(metrics)  # the step's one host sync: the means over the ranks
+            # the weights are the next step's now: what a save at a fault from here on holds
+            state["step"], state["loader"] = step + 1, train_loader.state()
             seconds = time.perf_counter() - t0
             # the step's loss judges the weights it started from: a checkpoint of them is kept, or it diverged
             judge_checkpoint(args, step, metrics, saved)
             log.step(step, {**metrics, **learning_rates}, seconds, train_loader.epoch)  # a line every --log_every steps
     except StopRun:
         stop_run(args, state, save)
+    except Exception as fault:
+        save_at_fault(args, state, start_step, save, fault)
     end_run(args)
 
 
@@ -927,12 +949,8 @@ def checkpoint_files(folder):
     return sorted(glob.glob(os.path.join(glob.escape(folder), CHECKPOINT_GLOB)))
 
 
-def load_checkpoint(path, mmap=False):
-    """(checkpoint, its path): a checkpoint file, or the newest one in an out_dir. One that does not load (a
-    truncated, empty or foreign file) is a one-line error naming it: checkpoints are written whole, so only damage
-    from outside makes one, and it is moved aside rather than passed over."""
-    if os.path.isdir(path) and checkpoint_files(path):
-        path = checkpoint_files(path)[-1]
+def read_checkpoint(path, mmap=False):
+    """(checkpoint, None) of a file that loads; (None, the reason) of a truncated, empty or foreign one."""
     try:
         # mmap: a tensor is read from the file only when it is used
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
@@ -944,7 +962,17 @@ def load_checkpoint(path, mmap=False):
             raise KeyError("model")
     except Exception as e:
         # torch's messages run to several sentences (and advice for a trusted file): the first says what failed
-        reason = (str(e).strip() or type(e).__name__).splitlines()[0].split(". ")[0]
+        return None, (str(e).strip() or type(e).__name__).splitlines()[0].split(". ")[0]
+    return checkpoint, None
+
+
+def load_checkpoint(path, mmap=False):
+    """(checkpoint, its path): a checkpoint file, or the newest one in an out_dir. One that does not load is a
+    one-line error naming it (the trainers go on from the newest readable one: newest_readable_checkpoint)."""
+    if os.path.isdir(path) and checkpoint_files(path):
+        path = checkpoint_files(path)[-1]
+    checkpoint, reason = read_checkpoint(path, mmap)
+    if reason:
         die(f"no readable checkpoint at {path} (not a train_gpt2.py/mid_train.py checkpoint, or damaged: {reason}): "
             f"give a ckpt_*.pt file of theirs, or an out_dir holding one; a damaged newest one: move it aside, or "
             f"start afresh in another --out_dir")
@@ -984,6 +1012,8 @@ def continue_run(args, argv, fixed, kind):
     the data) must stay. args.resume_checkpoint is its path (None: a new run). `kind` is this script's checkpoint
     kind: a folder of the other script's run is refused."""
     if args.run:
+        if os.path.basename(args.run) in ("", ".", "..") or os.path.basename(args.run) != args.run:
+            die(f"--run {args.run!r} is a name (the run goes to out/RUN), not a path; give --out_dir for a folder")
         take_defaults(args, argv, {"out_dir": os.path.join("out", args.run)})
     args.resume_checkpoint = None
     if args.dry_run:
@@ -995,9 +1025,18 @@ def continue_run(args, argv, fixed, kind):
         args.out_dir, args.save_every = os.devnull, 0  # a folder that holds nothing and takes nothing
         return
     refuse_ignored(argv, {"--save_every 0": (args.save_every == 0, ["keep_checkpoints"])})
-    if not args.resume and not checkpoint_files(args.out_dir):
+    # the checkpoints, log and lock would land among the code (or in a folder holding it, or the one run from)
+    here = os.path.realpath(os.getcwd()), os.path.dirname(os.path.realpath(__file__))
+    if any(os.path.commonpath([os.path.realpath(args.out_dir), path]) == os.path.realpath(args.out_dir)
+           for path in here):
+        die(f"--out_dir {args.out_dir} holds the code or the folder run from; give the run a folder of its own "
+            f"(out/NAME)")
+    if not checkpoint_files(args.out_dir):
+        if args.resume:
+            die(f"--resume: --out_dir {args.out_dir} holds no checkpoint to continue from; drop --resume to start "
+                f"a new run")
         return
-    checkpoint, path = load_checkpoint(args.out_dir, mmap=True)  # no tensor is read yet
+    checkpoint, path = newest_readable_checkpoint(args.out_dir)  # no tensor is read yet
     if checkpoint.get("kind") != kind:
         die(f"--out_dir {args.out_dir} holds a run of the other script ({checkpoint.get('kind')} checkpoints): "
             f"give this run another --out_dir")
@@ -1037,6 +1076,27 @@ def continue_run(args, argv, fixed, kind):
         print0(f"resume: the code differs from the checkpoint's ({', '.join(changed_code)} changed); the run goes on "
                f"with this code")
     args.resume_checkpoint = path
+
+
+def newest_readable_checkpoint(out_dir):
+    """(checkpoint, path) of the newest checkpoint in out_dir that loads (memory-mapped: no tensor is read yet).
+    A save is whole or absent, so a newer one that does not is damage from outside: under torchrun --max_restarts
+    or a requeued job nobody is there to move it, so it is moved aside as NAME.damaged (never deleted), in a line.
+    None loads: one error line."""
+    damaged = []
+    for path in checkpoint_files(out_dir)[::-1]:
+        checkpoint, reason = read_checkpoint(path, mmap=True)
+        if checkpoint is not None:
+            break
+        damaged.append((path, reason))
+    if checkpoint is None:
+        load_checkpoint(out_dir)  # its error line
+    for bad, reason in damaged:
+        if master_process:
+            os.replace(bad, bad + ".damaged")
+        print0(f"{bad} is damaged ({reason}): moved it aside to {bad}.damaged; the run goes on from the newest "
+               f"readable checkpoint, {path}")
+    return checkpoint, path
 
 
 def take_out_dir(args):
@@ -1144,6 +1204,22 @@ def stop_run(args, state, save):
     print0(f"stopped by signal at step {state['step']}; {outcome}", flush=True)
 
 
+class LateFault(Exception):
+    """A fault that no check before the first step can see (a failed log write), in one line: save_at_fault says it
+    once the steps made are saved."""
+
+
+def save_at_fault(args, state, start_step, save, fault):
+    """A fault in the loop (a failed log write, out of memory in an eval, a bug): the step the run was at is saved
+    first, so that no step made is lost, then the fault is said. One process only: under torchrun the other ranks
+    would wait for this one in the save's collectives."""
+    if world_size == 1 and args.save_every and state["step"] > start_step:
+        save()
+    if isinstance(fault, LateFault):
+        die(str(fault))
+    raise fault
+
+
 def end_run(args):
     """The run's end, however it ends: wandb's run, and the process group."""
     if master_process and args.wandb_project and not args.dry_run:
@@ -1246,8 +1322,11 @@ class RunLog:
                            "free space in --out_dir or give another one")
             if args.wandb_project:
                 self.start_wandb()
-        self({"step": state["step"], "flags": vars(args), "environment": run_environment(device_name),
-              "code": code})
+        try:
+            self({"step": state["step"], "flags": vars(args), "environment": run_environment(device_name),
+                  "code": code})
+        except LateFault as fault:  # before the first step: nothing to save
+            die(str(fault))
 
     def start_wandb(self):
         import wandb
@@ -1280,8 +1359,9 @@ class RunLog:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
         except OSError as e:
-            die(f"cannot write {self.path} ({e.strerror}); free space (or move --out_dir), then go on with "
-                f"--resume from the newest checkpoint: a half-written last line is dropped then")
+            raise LateFault(f"cannot write {self.path} ({e.strerror}); free space (or move --out_dir), then run the "
+                            f"same command again: it continues from the newest checkpoint if there is one (a "
+                            f"half-written last line is dropped), else it starts anew")
         if self.args.wandb_project:
             import wandb
             wandb.log(record, step=record["step"])

@@ -60,6 +60,43 @@ def test_failed_checkpoint_write_is_one_line_and_keeps_the_older_checkpoint(shar
     assert [r["step"] for r in read_log(out) if "loss" in r] == [0, 1, 2, 3]  # the log went on to the failed save
 
 
+def test_a_failed_first_log_write_asks_for_no_resume_when_no_checkpoint_exists(shards, tmp_path):
+    """The first record fails to write (EFBIG, as ENOSPC would): no checkpoint exists, so the line says to run the
+    same command again, not to --resume. And with --eval_every 0 no line says --val_tokens is more than the val
+    shards hold: no eval reads them."""
+    pairs = dict(zip(TINY[::2], TINY[1::2]))
+    no_evals = [arg for flag, value in pairs.items() if flag not in ("--val_tokens", "--num_samples")
+                for arg in (flag, value)]
+    proc = run_limited("train_gpt2.py", *no_evals, "--data_dir", shards, "--out_dir", tmp_path / "run",
+                       "--eval_every", 0, "--max_steps", 2, limit=1000, name=resource.RLIMIT_FSIZE)
+    line = one_error_line(proc)
+    assert "log.jsonl" in line and "run the same command again" in line and "--resume" not in line, line
+    assert "val shards hold" not in proc.stdout, proc.stdout
+
+
+def test_a_fault_in_the_loop_saves_the_steps_made_then_says_it(shards, tmp_path):
+    """log.jsonl turned into a folder mid-run: the next record fails. The run saves the step it was at (no save was
+    due for 10,000 steps), then says what was wrong in one line."""
+    out = tmp_path / "run"
+    args = [*TINY, "--data_dir", shards, "--out_dir", out, "--eval_every", 10_000, "--save_every", 10_000,
+            "--max_steps", 100_000]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "train_gpt2.py"), *map(str, args)], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: len(logged_steps(out)) >= 2)
+        (out / "log.jsonl").unlink()
+        (out / "log.jsonl").mkdir()
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    line = one_error_line(subprocess.CompletedProcess(args, proc.returncode, stdout, stderr))
+    assert proc.returncode == 2 and "log.jsonl (Is a directory)" in line, line
+    saved = glob.glob(str(out / "ckpt_*.pt"))
+    assert len(saved) == 1 and f"saved {saved[0]}" in stdout, stdout[-3000:]
+    assert torch.load(saved[0], weights_only=True)["step"] >= 2
+
+
 def test_failed_shard_write_is_one_line(tmp_path):
     out = tmp_path / "shards"
     proc = run_limited("prepare_fineweb.py", "--input", *stdlib_files(20), "--out_dir", out, "--shard_size", 100_000,

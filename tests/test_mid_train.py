@@ -72,7 +72,7 @@ def test_epochs_repeat_each_conversation(tmp_path):
     write_chat(tmp_path / "a.jsonl", conversations(50))
     args = mid_train.get_args(["--init_from", "gpt2", "--data", f"chat:{tmp_path / 'a.jsonl'}:3",
                                "--val_fraction", "0.1", "--out_dir", str(tmp_path / "run")])
-    splits = mid_train.build_data(args, mid_train.get_chat_tokenizer(), 65)
+    splits, _ = mid_train.build_data(args, mid_train.get_chat_tokenizer(), 65)
     assert splits["train"][2] == 45 * 3 and splits["val"][2] == 5
 
 
@@ -84,7 +84,7 @@ def test_each_epoch_is_packed_on_its_own_into_compact_arrays(tmp_path):
                                "--data", f"chat:{tmp_path / 'a.jsonl'}:2",
                                "--val_fraction", "0.1"])
     enc = mid_train.get_chat_tokenizer()
-    tokens, mask, count = mid_train.build_data(args, enc, 65)["train"]
+    tokens, mask, count = mid_train.build_data(args, enc, 65)[0]["train"]
     rows = [re.findall(r"about number (\d+)\.", enc.decode(row.tolist())) for row in tokens]
     assert all(len(set(row)) == len(row) for row in rows)  # no row holds two copies of one conversation
     uses = Counter(i for row in rows for i in row)
@@ -128,7 +128,7 @@ def test_fsdp_with_fewer_val_rows_than_ranks_times_batch_matches_ddp_and_the_ref
 
     # step 0's train loss (8 rows, 4 on each rank) and val loss: the mean over every learned token, from the model
     args = mid_train.get_args(list(map(str, [*flags, "--out_dir", tmp_path / "run"])))
-    splits = mid_train.build_data(args, mid_train.get_chat_tokenizer(), 65)
+    splits, _ = mid_train.build_data(args, mid_train.get_chat_tokenizer(), 65)
     model = mid_train.model_from_checkpoint(mid_train.load_checkpoint(base_ckpt)[0])
     for (tokens, mask, _), logged in ((splits["train"], a[0]), (splits["val"], val_a[0])):
         tokens, mask = torch.from_numpy(tokens[:8]).long(), torch.from_numpy(mask[:8])
@@ -250,7 +250,7 @@ def test_spelling_tasks_are_nanochats_rows_generated_from_a_word_list_the_same_f
                                "--data", f"chat:{tmp_path / 'chat.jsonl'}",
                                f"simplespelling:{tmp_path / 'words.txt'}:30", f"spellingbee:{tmp_path / 'words.txt'}:12",
                                "--val_fraction", "0.1"])
-    splits = mid_train.build_data(args, enc, 1025)
+    splits, _ = mid_train.build_data(args, enc, 1025)
     assert splits["train"][2] == 18 + 30 + 12 and splits["val"][2] == 2
 
 
@@ -263,7 +263,7 @@ def test_val_is_a_share_held_out_of_each_source_read_from_files(tmp_path, capsys
                                "--data", f"chat:{tmp_path / 'chat.jsonl'}:2", f"gsm8k:{tmp_path / 'gsm8k.jsonl'}",
                                f"spellingbee:{tmp_path / 'words.txt'}:12", "--val_fraction", "0.1"])
     enc = mid_train.get_chat_tokenizer()
-    splits = mid_train.build_data(args, enc, 1025)
+    splits, _ = mid_train.build_data(args, enc, 1025)
     # train: 36 chats twice, 18 GSM8K rows and 12 generated ones; val: 4 chats and 2 GSM8K rows, none generated
     assert splits["train"][2] == 36 * 2 + 18 + 12 and splits["val"][2] == 4 + 2
     train_text, val_text = (enc.decode(splits[name][0].flatten().tolist()) for name in ("train", "val"))
@@ -271,3 +271,30 @@ def test_val_is_a_share_held_out_of_each_source_read_from_files(tmp_path, capsys
     assert len(val_questions) == 2 and not val_questions & set(re.findall(r"May\? \((\d+)\)", train_text))
     held_out = [line for line in capsys.readouterr().out.splitlines() if "held out" in line]  # said in a line
     assert len(held_out) == 2 and "chat.jsonl held out, 4 conversations" in held_out[0], held_out
+
+
+def test_a_mixture_of_generated_sources_only_evaluates_on_rows_of_another_seed(tmp_path, capsys):
+    """A spelling-only mixture can be trained: it holds out no rows of its own, so --val_fraction of its rows are
+    generated for val from another seed, and a line says so."""
+    write_words(tmp_path / "words.txt")
+    args = mid_train.get_args(["--init_from", "gpt2", "--out_dir", str(tmp_path / "run"),
+                               "--data", f"simplespelling:{tmp_path / 'words.txt'}:200"])
+    splits, _ = mid_train.build_data(args, mid_train.get_chat_tokenizer(), 1025)
+    assert splits["train"][2] == 200 and splits["val"][2] == 4  # 2% of 200
+    assert "simplespelling" in capsys.readouterr().out.split("4 conversations generated with another seed")[0]
+
+
+def test_a_continued_run_refuses_data_changed_since_even_reordered(base_ckpt, tmp_path):
+    """Reordered rows keep every count the same; the hash of each source's rows, kept in the checkpoint, does
+    not: the run goes on only on the rows it trained on."""
+    convs = conversations(40)
+    write_chat(tmp_path / "chat.jsonl", convs)
+    at = MID.index("--num_samples")  # --eval_every 0 refuses it
+    flags = [*MID[:at], *MID[at + 2:], "--init_ckpt", base_ckpt, "--data", f"chat:{tmp_path / 'chat.jsonl'}",
+             "--eval_every", 0, "--out_dir", tmp_path / "run"]
+    run("mid_train.py", *flags, "--max_steps", 2, check=True)
+    write_chat(tmp_path / "chat.jsonl", convs[::-1])
+    proc = run("mid_train.py", *flags, "--max_steps", 3)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert f"--data chat:{tmp_path / 'chat.jsonl'}: its conversations are not those" in lines[0], lines[0]
