@@ -505,7 +505,7 @@ def main(argv=None):
 
     # ---- the run's state, in every checkpoint: a continued run takes it back whole
     state = dict(step=0, loader=None, val_loss=None, best={"val_loss": math.inf, "val_bpb": math.inf},
-                 hellaswag_acc_norm=None, tokens=0, train_seconds=0.0, wandb_run_id=None)
+                 hellaswag_acc_norm=None, tokens=0, train_seconds=0.0, peak_mem_gib=0.0, wandb_run_id=None)
     if checkpoint:
         restore_run(checkpoint, state, raw_model, optimizers, scaler)
         train_loader.load_state(state["loader"])
@@ -980,9 +980,6 @@ def continue_run(args, argv, fixed, kind):
             die(f"--{key} {getattr(args, key)}: the checkpoint in {args.out_dir} was trained with {saved[key]}, "
                 f"and a resumed run keeps it (its model, optimizer and data split); drop --{key}, or start afresh "
                 f"in another --out_dir")
-    if changed:
-        print0("resume: flags changed since the checkpoint: "
-               + ", ".join(f"{key} {saved[key]} -> {getattr(args, key)}" for key in changed))
     # a --max_steps below the checkpoint's step would train nothing and cut its records from the log
     if args.max_steps < checkpoint["step"]:
         die(f"--max_steps {args.max_steps} is below the step of the run in {args.out_dir} ({checkpoint['step']}); "
@@ -992,8 +989,11 @@ def continue_run(args, argv, fixed, kind):
         print0(f"the run in {args.out_dir} is complete (step {args.max_steps}): nothing to train; a higher "
                f"--max_steps goes on, another --out_dir starts a new run")
         sys.exit(0)
-    print0(f"--out_dir {args.out_dir} holds a run: continuing it from {path}, at step {checkpoint['step']} (a new "
-           f"run needs another --out_dir)")
+    # said once every check has passed (RunLog prints them): a refused continuation says nothing of going on
+    args.resume_lines = ["resume: flags changed since the checkpoint: "
+                         + ", ".join(f"{key} {saved[key]} -> {getattr(args, key)}" for key in changed)] * bool(changed)
+    args.resume_lines.append(f"--out_dir {args.out_dir} holds a run: continuing it from {path}, at step "
+                             f"{checkpoint['step']} (a new run needs another --out_dir)")
     args.resume_checkpoint = path
 
 
@@ -1190,6 +1190,8 @@ class RunLog:
         device_name = torch.cuda.get_device_name(device) if device.startswith("cuda") else device
         # MFU needs the device's peak FLOP/s: --peak_flops, or the table's entry for this GPU
         self.peak_flops = args.peak_flops or PEAK_BF16_FLOPS.get(device_name)
+        for line in vars(args).pop("resume_lines", []):  # continue_run's, not a flag
+            print0(line)
         if master_process and not args.dry_run:
             if os.path.exists(self.path):  # a continued run's (take_out_dir set a new run's aside)
                 with open(self.path, "rb") as f:
@@ -1270,19 +1272,26 @@ class RunLog:
         tok_per_s = self.args.total_batch_size / step_seconds
         record = {"step": step, **means, "last_loss": metrics["loss"], "tokens": self.state["tokens"],
                   "train_seconds": self.state["train_seconds"], "epoch": epoch, "ms": step_seconds * 1000,
-                  "tok_per_s": round(tok_per_s), "peak_mem_gib": peak_memory_gib(self.device),
+                  "tok_per_s": round(tok_per_s), "peak_mem_gib": self.peak_memory(),
                   "eta_s": round(step_seconds * (self.args.max_steps - 1 - step))}
         if self.peak_flops:
             record["mfu"] = self.flops_per_token * tok_per_s / (self.peak_flops * world_size)
         self(record)
+
+    def peak_memory(self):
+        """This launch's peak memory so far; the run's state keeps the peak over all its launches."""
+        peak = peak_memory_gib(self.device)
+        self.state["peak_mem_gib"] = max(self.state["peak_mem_gib"], peak)
+        return peak
 
     def summary(self, step, **more):
         """The run's summary at its last step: a record and out_dir/summary.json. An eval that never ran (its best
         still infinite) is None."""
         best = {f"best_{name}": None if value == math.inf else value for name, value in self.state["best"].items()}
         tokens = self.state["tokens"]
+        self.peak_memory()  # like the tokens and time, the peak spans all the run's launches
         summary = {**best, **more, "tokens": tokens, "train_seconds": self.state["train_seconds"],
-                   "flops": self.flops_per_token * tokens, "peak_mem_gib": peak_memory_gib(self.device)}
+                   "flops": self.flops_per_token * tokens, "peak_mem_gib": self.state["peak_mem_gib"]}
         self({"step": step, "summary": summary},
              "summary: " + " | ".join(f"{name} {shown(value)}" for name, value in summary.items()))
         if master_process and not self.args.dry_run:

@@ -31,11 +31,15 @@ def test_the_same_command_continues_the_run_and_a_changed_model_is_one_line(shar
     again = run("train_gpt2.py", *command, "--max_steps", 6, check=True)
     assert "is complete" in again.stdout
     assert (out / "log.jsonl").read_bytes() == log_before
-    # with more steps: it goes on from step 6, and the log keeps every record
+    # with more steps: it goes on from step 6, and the log keeps every record; the summary's peak memory is the
+    # larger of the launches' (the first one's, as if on a bigger machine)
+    checkpoint = torch.load(out / "ckpt_0000006.pt", weights_only=True)
+    torch.save({**checkpoint, "peak_mem_gib": 99.0}, out / "ckpt_0000006.pt")
     more = run("train_gpt2.py", *command, "--max_steps", 9, check=True)
     assert "holds a run: continuing it" in more.stdout and "at step 6" in more.stdout
     steps = [r["step"] for r in read_log(out) if "loss" in r]
     assert steps == list(range(9)), steps
+    assert json.load(open(out / "summary.json"))["peak_mem_gib"] == 99.0
     assert checkpoints(out) == ["ckpt_0000003.pt", "ckpt_0000006.pt", "ckpt_0000009.pt"]
     # another model, or fewer steps than the run has: one line, and the folder as it was
     log_before = (out / "log.jsonl").read_bytes()
@@ -44,9 +48,14 @@ def test_the_same_command_continues_the_run_and_a_changed_model_is_one_line(shar
     for flags, words in changes:
         proc = run("train_gpt2.py", *command, *flags)
         assert proc.returncode == 2 and words in proc.stderr and "another --out_dir" in proc.stderr, proc.stderr
+        # checked before said: a refused run says nothing of going on
+        assert "continuing it" not in proc.stdout and "flags changed" not in proc.stdout, proc.stdout
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         assert (out / "log.jsonl").read_bytes() == log_before
         assert checkpoints(out) == ["ckpt_0000003.pt", "ckpt_0000006.pt", "ckpt_0000009.pt"]
+    # refused once the data is read: still nothing said of going on
+    proc = run("train_gpt2.py", *command, "--total_batch_size", 512, "--max_steps", 12)
+    assert proc.returncode == 2 and "data position" in proc.stderr and "continuing it" not in proc.stdout, proc.stdout
 
 
 def test_val_bits_per_byte_equals_an_independent_computation(shards, tmp_path):
