@@ -106,6 +106,18 @@ def get_args(argv=None):
     # an out_dir holding checkpoints continues its run; the model, optimizer and data stay as they were
     args = parse_trainer_flags(p, argv, DEMO_PRESET, start_flags=model_flags,
                                fixed=("model", *model_flags, "init_from", "optimizer", "data_dir"), kind="base")
+    # A warm-up to the last step leaves the lr short of its peak, never decayed. The preset's or default's, past a
+    # shorter --max_steps given, shrinks with the run; one given is kept (a smoke run of a few steps), with a line.
+    if args.warmup_steps >= args.max_steps:
+        if "warmup_steps" in given_flags(argv):
+            print0(f"--warmup_steps {args.warmup_steps} is not below --max_steps {args.max_steps}: the learning rate "
+                   f"never decays (fewer warm-up steps would)")
+        else:
+            planned_steps = DEMO_PRESET["max_steps"] if args.demo else p.get_default("max_steps")
+            scaled = args.warmup_steps * args.max_steps // planned_steps
+            print0(f"{'--demo' if args.demo else 'the default'}'s {args.warmup_steps} warm-up steps are not below "
+                   f"--max_steps {args.max_steps}: --warmup_steps {scaled}, the same share of the steps")
+            args.warmup_steps = scaled
     refuse_ignored(argv, {
         "--eval_every 0": (args.eval_every == 0,
                            ["val_tokens", "num_samples", "sample_len", "prompt", "hellaswag_file"]),

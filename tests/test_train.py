@@ -55,6 +55,16 @@ def test_single_batch_overfits():
     assert loss.item() < 0.2
 
 
+def test_a_warm_up_past_the_last_step_shrinks_with_the_run_or_is_said(capsys):
+    from train_gpt2 import get_args
+    # the preset's 20 warm-up steps, past the 10 steps given: the same share of them, said in a line
+    assert get_args(["--demo", "--max_steps", "10", "--dry_run"]).warmup_steps == 1
+    assert "--demo's 20 warm-up steps are not below --max_steps 10: --warmup_steps 1" in capsys.readouterr().out
+    # one given is kept (a smoke run), and a line says the learning rate never decays
+    assert get_args(["--max_steps", "2", "--warmup_steps", "2", "--dry_run"]).warmup_steps == 2
+    assert "the learning rate never decays" in capsys.readouterr().out
+
+
 def test_loss_falls_on_real_text(shards, tmp_path):
     out = tmp_path / "run"
     proc = run("train_gpt2.py", *TINY, "--data_dir", shards, "--out_dir", out, "--max_steps", 40, "--eval_every", 20,
