@@ -20,9 +20,11 @@ What differs from train_gpt2.py, which this file follows block for block:
   (parse_source, load_source with render, calculator_parts for GSM8K; spelling_conversations generates the
   spelling tasks), crops each rendered conversation to a row, leaves out those with nothing to learn, and packs
   them into rows (pack_rows); row_batches reads the rows, with -1 targets where nothing is learned.
-- lr_multiplier: flat, then a linear decay to 0 (no warm-up: the weights are trained already).
-- main(): the model comes from --init_ckpt or --init_from; the rows a step reads follow from its number, and
-  its loss is averaged over the targets they hold, counted first; the val rows are padded to whole
+- lr_multiplier: flat, then a linear decay to 0 at the last trained step (no warm-up: the weights are trained
+  already).
+- main(): the model comes from --init_ckpt or --init_from; the rows a step reads follow from its number
+  (first_row_of: a new order each pass), and its loss is averaged over the targets they hold, counted first; the
+  val rows are padded to whole
   micro-batches, and the val loss is a sum over a count; the samples are replies to a chat prompt, cut at
   their end token, also at the first step; the checkpoint also holds kind "mid" and the chat tokens.
 The code after main() is train_gpt2.py's, in the same shared blocks, but for HellaSwag (tests/sync_shared.py
@@ -596,6 +598,16 @@ def build_data(args, enc, capacity):
     return splits
 
 
+def first_row_of(step, steps_per_pass, step_rows, seed):
+    """The first train row a step reads. The first pass over the rows reads them in order (packing shuffled them);
+    each later pass reads the steps' rows in a new order, seeded by (seed, pass). It follows from the step's number
+    alone, so a continued run reads what the uninterrupted one would."""
+    pass_index, slot = divmod(step, steps_per_pass)
+    if pass_index:
+        slot = np.random.default_rng((seed, pass_index)).permutation(steps_per_pass)[slot]
+    return int(slot) * step_rows
+
+
 def row_batches(tokens, mask, B, first_row, device):
     """This rank's (B, T) inputs and targets (-1 where nothing is learned) on the device, micro-batch after
     micro-batch from row first_row on: each rank reads its B rows of every B * world_size."""
@@ -614,9 +626,12 @@ def row_batches(tokens, mask, B, first_row, device):
 
 
 def lr_multiplier(step, args):
-    """Flat, then linear decay to 0 over the last warmdown_frac of the steps."""
-    warmdown = max(1, round(args.warmdown_frac * args.max_steps))
-    return min(1.0, (args.max_steps - step) / warmdown)
+    """Flat, then a linear decay over the last warmdown_frac of the steps that reaches 0 at the last trained step
+    (step max_steps - 1), as nanochat's: however few the steps, the last learns at 0."""
+    progress = step / max(1, args.max_steps - 1)  # 0 at the first trained step, 1 at the last
+    if args.warmdown_frac == 0:
+        return 1.0
+    return min(1.0, (1 - progress) / args.warmdown_frac)
 
 
 # ---- shared: step ----
@@ -783,7 +798,7 @@ def main(argv=None):
             t0 = time.perf_counter()
             stop_if_asked(device)  # every rank waits here for the slowest: the step's time counts that wait
             learning_rates = set_schedule(optimizers, lr_multiplier(step, args), step, args)
-            first_row = (step % steps_per_pass) * step_rows
+            first_row = first_row_of(step, steps_per_pass, step_rows, args.seed)
             step_tokens = int(train_mask[first_row: first_row + step_rows, 1:].sum())  # the targets it learns
             train_batches = row_batches(train_tokens, train_mask, B, first_row, device)
             metrics = train_step(model, optimizers, scaler, lambda: next(train_batches), grad_accum_steps,
