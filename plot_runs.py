@@ -6,7 +6,8 @@ Compare runs:   python plot_runs.py out/base out/variant --out compare.png
 
 A run is the --out_dir of train_gpt2.py or mid_train.py, still running or done, resumed or not. For two
 runs or more the table is followed by the flags in which they differ. Works offline and without a display;
-the picture needs matplotlib (pip install matplotlib), the table only Python.
+the picture needs matplotlib (pip install matplotlib), the table only Python: without matplotlib the
+table is printed, a line says there is no picture, and the exit code is 0.
 """
 
 import argparse
@@ -65,7 +66,6 @@ def main(argv=None):
     if len(runs) > 1:
         print_differences(runs)
     plot(runs, args.out, args.smooth)
-    print(f"wrote {args.out}")
 
 
 # -----------------------------------------------------------------------------
@@ -258,8 +258,9 @@ def plot(runs, out, smooth):
     a row; GPT-2 124M's figures where they compare."""
     try:
         import matplotlib
-    except ImportError:
-        die("the picture needs matplotlib, which is not installed: pip install matplotlib")
+    except ImportError:  # the table alone is what a run without matplotlib asked for: no failure, a line
+        print(f"no picture: {out} needs matplotlib, which is not installed (pip install matplotlib)", file=sys.stderr)
+        return
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
     from matplotlib.ticker import EngFormatter, FormatStrFormatter
@@ -310,6 +311,7 @@ def plot(runs, out, smooth):
     except OSError as e:
         die(f"cannot write {out} ({e.strerror}); give another --out")
     plt.close(fig)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
