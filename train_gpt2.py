@@ -103,6 +103,7 @@ def get_args(argv=None):
                    help="tokens of the val shard each eval reads")
     p.add_argument("--hellaswag_file",
                    help="HellaSwag .jsonl to evaluate at each eval (see hellaswag.py; its first lines: a quicker eval)")
+    p.add_argument("--hellaswag_limit", type=nonneg_int, default=0, help="score its first N examples (0: all)")
     # an out_dir holding checkpoints continues its run; the model, optimizer and data stay as they were
     args = parse_trainer_flags(p, argv, DEMO_PRESET, start_flags=model_flags,
                                fixed=("model", *model_flags, "init_from", "optimizer", "data_dir"), kind="base")
@@ -120,7 +121,8 @@ def get_args(argv=None):
             args.warmup_steps = scaled
     refuse_ignored(argv, {
         "--eval_every 0": (args.eval_every == 0,
-                           ["val_tokens", "num_samples", "sample_len", "prompt", "hellaswag_file"]),
+                           ["val_tokens", "num_samples", "sample_len", "prompt", "hellaswag_file", "hellaswag_limit"]),
+        "no --hellaswag_file": (args.hellaswag_file is None, ["hellaswag_limit"]),
         "--init_from (OpenAI's model as it is)": (args.init_from is not None, ["model", *model_flags])})
     return args
 
@@ -504,7 +506,7 @@ def main(argv=None):
                f"{val_steps * micro_step_tokens:,} tokens")
     hellaswag_examples = None
     if args.hellaswag_file:
-        hellaswag_examples = load_hellaswag(args.hellaswag_file)
+        hellaswag_examples = load_hellaswag(args.hellaswag_file, args.hellaswag_limit)
     enc = get_tokenizer()
     token_bytes = token_byte_counts(enc, raw_model.config.vocab_size, device)  # for val bits per byte
 
@@ -553,7 +555,7 @@ def main(argv=None):
                     raw_model, hellaswag_examples, enc, device, 16, autocast_ctx, split_ranks=not args.fsdp,
                     should_stop=lambda: stop_if_asked(device))
                 state["hellaswag_acc_norm"] = acc_norm  # the summary's
-                log({"step": step, "hellaswag_acc": acc, "hellaswag_acc_norm": acc_norm})
+                log({"step": step, "hellaswag_acc": acc, "hellaswag_acc_norm": acc_norm, "hellaswag_examples": count})
 
             # once in a while sample from the model (not at the start: it has learned nothing new yet); under
             # FSDP every rank runs the forward passes, as the weights are sharded

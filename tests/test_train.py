@@ -67,8 +67,12 @@ def test_a_warm_up_past_the_last_step_shrinks_with_the_run_or_is_said(capsys):
 
 def test_loss_falls_on_real_text(shards, tmp_path):
     out = tmp_path / "run"
+    write_hellaswag_fixture(tmp_path / "hellaswag.jsonl")
     proc = run("train_gpt2.py", *TINY, "--data_dir", shards, "--out_dir", out, "--max_steps", 40, "--eval_every", 20,
-               "--num_samples", 1, "--sample_len", 8, check=True)
+               "--num_samples", 1, "--sample_len", 8, "--hellaswag_file", tmp_path / "hellaswag.jsonl",
+               "--hellaswag_limit", 4, check=True)
+    # each HellaSwag record says how many examples it scored: the first 4 of the file's 6
+    assert [r["hellaswag_examples"] for r in read_log(out) if "hellaswag_acc" in r] == [4, 4, 4]
     val = val_losses(out)
     assert val[40] < val[0] - 2.0, val
     assert "---- sample 0 ----\nHello, I'm a language model," in proc.stdout  # text, not a repr
