@@ -30,8 +30,9 @@ METRICS = ("loss", "val_loss", "hellaswag_acc_norm")
 NUMBERS = ("tokens", "ms", "tok_per_s", "mfu")
 # The fields of the trainers' step records, drawn as the loss or given in the table or not a measure of training.
 # Any other number in a step record is a metric added to the step (in train_step): it gets a panel of its own.
-STEP_FIELDS = ("step", "loss", "last_loss", "lr", "muon_lr", "grad_norm", "tokens", "train_seconds", "epoch", "ms",
-               "tok_per_s", "mfu", "peak_mem_gib", "eta_s", "time")
+STEP_FIELDS = ("step", "loss", "last_loss", "lr", "muon_lr", "grad_norm", "last_grad_norm", "tokens", "train_seconds",
+               "epoch", "ms", "data_ms", "forward_backward_ms", "optimizer_ms", "sync_ms", "tok_per_s", "mfu",
+               "peak_mem_gib", "eta_s", "time")
 # flags in which two runs of one experiment differ anyway
 NOT_COMPARED = ("out_dir", "resume", "resume_checkpoint", "run", "dry_run")
 DATA_FLAGS = ("data_dir", "data", "val_fraction", "seed")  # flags that change what a run reads

@@ -408,14 +408,16 @@ def lr_multiplier(step, args):
 
 # ---- shared: step ----
 def train_step(model, optimizers, scaler, next_batch, grad_accum_steps, step_tokens, grad_clip,
-               autocast_ctx):
+               autocast_ctx, mark_time=lambda part: None):
     """One optimizer step over grad_accum_steps micro-batches. Returns the step's metrics, this rank's part
     of each as a device scalar (no host sync in here): its loss and gradient norm, and any metric added to
-    them, which the loop averages over the ranks and logs (the step line, log.jsonl, wandb)."""
+    them, which the loop averages over the ranks and logs (the step line, log.jsonl, wandb). mark_time(part)
+    (step_timer's) ends each part: data, forward_backward, optimizer."""
     metrics = {}
     loss_accum = 0.0
     for micro_step in range(grad_accum_steps):
         x, y = next_batch()  # on the device already
+        mark_time("data")
         # all-reduce the gradients on the last micro-step only: the ones before just add to .grad
         last_micro_step = micro_step == grad_accum_steps - 1
         if isinstance(model, DDP):
@@ -431,6 +433,7 @@ def train_step(model, optimizers, scaler, next_batch, grad_accum_steps, step_tok
         loss = loss * (world_size / max(step_tokens, 1))  # a step with no target at all: 0, not 0 / 0
         loss_accum = loss_accum + loss.detach()
         scaler.scale(loss).backward()
+        mark_time("forward_backward")
     for opt in optimizers:
         scaler.unscale_(opt)
     grad_norm = nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
@@ -440,8 +443,33 @@ def train_step(model, optimizers, scaler, next_batch, grad_accum_steps, step_tok
         scaler.step(opt)
         opt.zero_grad(set_to_none=True)
     scaler.update()
+    mark_time("optimizer")
     metrics.update(loss=loss_accum, grad_norm=grad_norm)
     return metrics
+
+
+def step_timer(device):
+    """(mark_time, time_parts) of one step: mark_time(part) gives the time since the last mark to that part;
+    time_parts() is each part's milliseconds (data_ms...), once the step's host sync has passed. On CUDA a mark is an
+    event that the GPU stamps as it gets there, so no mark waits for it (a part is the GPU's time: data_ms is the
+    copy and any wait for the host's batch); on a CPU, where ops run as called, the host's clock."""
+    cuda = device.startswith("cuda")
+    marks = []
+
+    def mark_time(part):
+        stamp = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+        if cuda:
+            stamp.record()
+        marks.append((part, stamp))
+
+    def time_parts():
+        parts = {}
+        for (_, start), (part, end) in zip(marks, marks[1:]):
+            ms = start.elapsed_time(end) if cuda else (end - start) * 1000
+            parts[f"{part}_ms"] = parts.get(f"{part}_ms", 0.0) + ms
+        return parts
+    mark_time("start")
+    return mark_time, time_parts
 # ---- end shared: step ----
 
 
@@ -579,15 +607,18 @@ def main(argv=None):
 
             # one optimizer step; SIGTERM or Ctrl-C on any rank ends the run here (or in an eval) on every rank
             t0 = time.perf_counter()
+            mark_time, time_parts = step_timer(device)  # where the step's time goes
             stop_if_asked(device)  # every rank waits here for the slowest: the step's time counts that wait
+            mark_time("sync")
             learning_rates = set_schedule(optimizers, lr_multiplier(step, args), step, args)
             metrics = train_step(model, optimizers, scaler, train_loader.next_batch, grad_accum_steps,
-                                 args.total_batch_size, args.grad_clip, autocast_ctx)
-            metrics = sync_ranks(metrics)  # the step's one host sync: the means over the ranks
+                                 args.total_batch_size, args.grad_clip, autocast_ctx, mark_time)
+            metrics = sync_ranks(metrics, mark_time)  # the step's one host sync: the means over the ranks
             seconds = time.perf_counter() - t0
             # the step's loss judges the weights it started from: a checkpoint of them is kept, or it diverged
             judge_checkpoint(args, step, metrics, saved)
-            log.step(step, {**metrics, **learning_rates}, seconds, train_loader.epoch)  # a line every --log_every steps
+            log.step(step, {**metrics, **learning_rates, **time_parts()}, seconds,
+                     train_loader.epoch)  # a line every --log_every steps
     except StopRun:
         stop_run(args, state, save)
     end_run(args)
@@ -1284,7 +1315,8 @@ class RunLog:
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             step_seconds = slowest.item()
         tok_per_s = self.args.total_batch_size / step_seconds
-        record = {"step": step, **means, "last_loss": metrics["loss"], "tokens": self.state["tokens"],
+        record = {"step": step, **means, "last_loss": metrics["loss"], "last_grad_norm": metrics["grad_norm"],
+                  "tokens": self.state["tokens"],
                   "train_seconds": self.state["train_seconds"], "epoch": epoch, "ms": step_seconds * 1000,
                   "tok_per_s": round(tok_per_s), "peak_mem_gib": self.peak_memory(),
                   "eta_s": round(step_seconds * (self.args.max_steps - 1 - step))}
@@ -1446,11 +1478,13 @@ def stop_if_asked(device):
         raise StopRun
 
 
-def sync_ranks(metrics):
-    """The mean over the ranks of each metric (a dict of device scalars): one all-reduce of one tensor."""
+def sync_ranks(metrics, mark_time=lambda part: None):
+    """The mean over the ranks of each metric (a dict of device scalars): one all-reduce of one tensor, the step's
+    "sync" part (step_timer)."""
     values = torch.stack(list(metrics.values())).float()
     if world_size > 1:
         dist.all_reduce(values)
+    mark_time("sync")  # before the host sync below, which waits for it
     means = (values / world_size).tolist()  # a host sync, a step's only one
     return dict(zip(metrics, means))
 # ---- end shared: signals ----

@@ -107,6 +107,11 @@ def test_interval_means_equal_the_means_of_the_steps_on_one_and_two_processes(sh
                 mean = sum(each[s][key] for s in steps) / len(steps)
                 assert abs(record[key] - mean) < tolerance * abs(mean), (name, key, record, mean)
             assert abs(record["last_loss"] - each[steps[-1]]["loss"]) < tolerance * each[steps[-1]]["loss"]
+            last_grad_norm = each[steps[-1]]["grad_norm"]
+            assert abs(record["last_grad_norm"] - last_grad_norm) < tolerance * last_grad_norm
+            # where the step's time goes: its parts, which add up to at most the step's time (the slowest rank's)
+            parts = [record[f"{part}_ms"] for part in ("data", "forward_backward", "optimizer", "sync")]
+            assert min(parts) >= 0 and record["forward_backward_ms"] > 0 and sum(parts) <= record["ms"], record
             assert record["tokens"] == each[steps[-1]]["tokens"] == (steps[-1] + 1) * 256
 
 
