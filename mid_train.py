@@ -124,6 +124,7 @@ def get_args(argv=None):
                    help="tokens per optimizer step, over all processes (default: one micro-batch on each)")
     p.add_argument("--max_steps", type=positive_int,
                    help="optimizer steps (default: one pass over the packed train rows)")
+    p.add_argument("--max_tokens", type=positive_int, help="train this many tokens instead of --max_steps (whole steps)")
     p.add_argument("--warmdown_frac", type=fraction, default=0.2,
                    help="decay the learning rate linearly to 0 over this last share of the steps")
     add_optimizer_flags(p, muon_lr=0.005, muon_momentum_warmup=50)
@@ -759,6 +760,8 @@ def main(argv=None):
     # that have no target (they add nothing to the loss or its count).
     padding = [(0, -len(val_tokens) % micro_step_rows), (0, 0)]
     eval_tokens, eval_mask = (np.pad(array, padding) for array in (val_tokens, val_mask))
+    if args.max_tokens and not args.resume_checkpoint:  # (continue_run resolved a continued run's)
+        args.max_steps = steps_to_max_tokens(args)
     args.max_steps = args.max_steps or steps_per_pass  # by default one pass over the train rows
 
     # ---- the training setup
@@ -1236,12 +1239,16 @@ def continue_run(args, argv, fixed, kind):
     for key in ("resume", "resume_checkpoint", "out_dir", "demo", "fsdp"):
         saved.pop(key, None)
     take_defaults(args, argv, saved)
+    if "max_steps" in given_flags(argv):  # it replaces the run's --max_tokens
+        args.max_tokens = None
     changed = [key for key, value in saved.items() if getattr(args, key, value) != value]
     for key in changed:
         if key in fixed:
             die(f"--{key} {getattr(args, key)}: the checkpoint in {args.out_dir} was trained with {saved[key]}, "
                 f"and a resumed run keeps it (its model, optimizer and data split); drop --{key}, or start afresh "
                 f"in another --out_dir")
+    if args.max_tokens:  # a run sized in tokens goes on to them
+        args.max_steps = steps_to_max_tokens(args, checkpoint["step"], checkpoint["tokens"])
     # a --max_steps below the checkpoint's step would train nothing and cut its records from the log
     if args.max_steps < checkpoint["step"]:
         die(f"--max_steps {args.max_steps} is below the step of the run in {args.out_dir} ({checkpoint['step']}); "
@@ -1257,6 +1264,12 @@ def continue_run(args, argv, fixed, kind):
     args.resume_lines.append(f"--out_dir {args.out_dir} holds a run: continuing it from {path}, at step "
                              f"{checkpoint['step']} (a new run needs another --out_dir)")
     args.resume_checkpoint = path
+
+
+def steps_to_max_tokens(args, step=0, tokens=0):
+    """--max_tokens as a --max_steps: the steps from `step` that train what is left of it after `tokens`, at this run's
+    --total_batch_size (a step is whole: the last one may go past it)."""
+    return step + math.ceil(max(0, args.max_tokens - tokens) / args.total_batch_size)
 
 
 def take_out_dir(args):
@@ -1866,6 +1879,8 @@ def parse_trainer_flags(p, argv, preset, start_flags, fixed, kind):
     --init_from is given: OpenAI's weights are as they are. An out_dir holding checkpoints continues its run, with
     the `fixed` flags as they were (continue_run). Muon's flags with AdamW, or the samples' with none, are refused."""
     args = p.parse_args(argv)
+    if {"max_steps", "max_tokens"} <= given_flags(argv):
+        die("--max_steps and --max_tokens both size the run: give one")
     if args.demo:
         take_defaults(args, argv, {key: value for key, value in preset.items()
                                     if not (args.init_from and key in start_flags)})

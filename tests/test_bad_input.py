@@ -181,6 +181,12 @@ CASES = [
          expect="--val_fraction does nothing with no --data source read from files"),
     case("mid-dry_run-resume", "mid_train.py", "--init_ckpt", "{tmp}/ckpt.pt", "--dry_run", "--resume",
          expect="--resume does nothing with --dry_run"),
+    case("train-hellaswag_limit-no-file", "train_gpt2.py", "--hellaswag_limit", 10,
+         expect="--hellaswag_limit does nothing with no --hellaswag_file"),
+    case("train-max_steps-and-max_tokens", "train_gpt2.py", "--max_steps", 5, "--max_tokens", 1000,
+         expect="--max_steps and --max_tokens both size the run: give one"),
+    case("mid-max_steps-and-max_tokens", "mid_train.py", *MID, "--max_tokens", 1000, "--max_steps", 5,
+         expect="--max_steps and --max_tokens both size the run: give one"),
 ]
 
 

@@ -58,6 +58,16 @@ def test_the_same_command_continues_the_run_and_a_changed_model_is_one_line(shar
     assert proc.returncode == 2 and "data position" in proc.stderr and "continuing it" not in proc.stdout, proc.stdout
 
 
+def test_a_token_budget_trains_that_many_tokens_and_a_continued_run_goes_on_to_it(shards, tmp_path):
+    out = tmp_path / "run"
+    command = [*TINY, "--data_dir", shards, "--out_dir", out, "--eval_every", 2, "--save_every", 2]
+    run("train_gpt2.py", *command, "--max_tokens", 1024, check=True)
+    assert json.load(open(out / "summary.json"))["tokens"] == 1024  # 4 steps of 256
+    more = run("train_gpt2.py", *command, "--max_tokens", 1536, check=True)
+    assert "max_tokens 1024 -> 1536" in more.stdout and json.load(open(out / "summary.json"))["tokens"] == 1536
+    assert [r["step"] for r in read_log(out) if "loss" in r] == list(range(6))
+
+
 def test_val_bits_per_byte_equals_an_independent_computation(shards, tmp_path):
     import train_gpt2 as tg
     out = tmp_path / "bpb"
