@@ -90,6 +90,7 @@ def get_args(argv=None):
                    help="shuffled: shards and their steps in a seeded new order each epoch; sequential: file order")
     p.add_argument("--seq_len", type=positive_int, default=1024,
                    help="tokens per training sequence (at most the context length)")
+    p.add_argument("--overfit_batch", action="store_true", help="train on the first step's batch only: the loss must near 0")
     p.add_argument("--total_batch_size", type=positive_int, default=524288,
                    help="tokens per optimizer step, over all processes")
     # optimization
@@ -614,6 +615,8 @@ def main(argv=None):
             stop_if_asked(device)  # every rank waits here for the slowest: the step's time counts that wait
             mark_time("sync")
             learning_rates = set_schedule(optimizers, lr_multiplier(step, args), step, args)
+            if args.overfit_batch:  # the quickest check that an edited model learns at all
+                train_loader.tokens_read = 0
             metrics = train_step(model, optimizers, scaler, train_loader.next_batch, grad_accum_steps,
                                  args.total_batch_size, args.grad_clip, autocast_ctx, mark_time)
             metrics = sync_ranks(metrics, mark_time)  # the step's one host sync: the means over the ranks

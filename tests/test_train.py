@@ -41,18 +41,13 @@ def test_tokenizer_is_gpt2_and_offline():
     assert enc.encode("Hello, I'm a language model,") == [15496, 11, 314, 1101, 257, 3303, 2746, 11]
 
 
-def test_single_batch_overfits():
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32))
-    tokens = torch.tensor(get_tokenizer().encode(open(os.path.join(REPO, "train_gpt2.py")).read()[:2000]))
-    x, y = tokens[:64].view(2, 32), tokens[1:65].view(2, 32)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for _ in range(150):
-        loss = model(x, y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    assert loss.item() < 0.2
+def test_single_batch_overfits(shards, tmp_path):
+    # --overfit_batch: the first step's batch (128 tokens), over and over, as a user checks an edited model
+    flags = [*TINY, "--total_batch_size", 128, "--lr", 1e-2, "--weight_decay", 0, "--max_steps", 100]
+    flags = [flag for flag in flags if flag not in ("--val_tokens", "512", "--num_samples", "0")]
+    run("train_gpt2.py", *flags, "--data_dir", shards, "--out_dir", tmp_path, "--overfit_batch", "--eval_every", 0,
+        check=True)
+    assert train_losses(tmp_path)[99] < 0.2
 
 
 def test_a_warm_up_past_the_last_step_shrinks_with_the_run_or_is_said(capsys):
