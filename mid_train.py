@@ -127,6 +127,8 @@ def get_args(argv=None):
     p.add_argument("--max_tokens", type=positive_int, help="train this many tokens instead of --max_steps (whole steps)")
     p.add_argument("--warmdown_frac", type=fraction, default=0.2,
                    help="decay the learning rate linearly to 0 over this last share of the steps")
+    p.add_argument("--init_lr_frac", type=ranged(float, 0, 1, low_open=True), default=1.0,
+                   help="the schedule starts at this share of --lr and --muon_lr, its peak (nanochat's)")
     add_optimizer_flags(p, muon_lr=0.005, muon_momentum_warmup=50)
     # An out_dir holding checkpoints continues its run. Where it started and its data stay as they were: the
     # train rows a step reads follow from its number.
@@ -627,12 +629,12 @@ def row_batches(tokens, mask, B, first_row, device):
 
 
 def lr_multiplier(step, args):
-    """Flat, then a linear decay over the last warmdown_frac of the steps that reaches 0 at the last trained step
-    (step max_steps - 1), as nanochat's: however few the steps, the last learns at 0."""
+    """init_lr_frac, flat, then a linear decay over the last warmdown_frac of the steps that reaches 0 at the last
+    trained step (step max_steps - 1), as nanochat's: however few the steps, the last learns at 0."""
     progress = step / max(1, args.max_steps - 1)  # 0 at the first trained step, 1 at the last
     if args.warmdown_frac == 0:
-        return 1.0
-    return min(1.0, (1 - progress) / args.warmdown_frac)
+        return args.init_lr_frac
+    return args.init_lr_frac * min(1.0, (1 - progress) / args.warmdown_frac)
 
 
 # ---- shared: step ----
@@ -714,13 +716,14 @@ def main(argv=None):
     take_out_dir(args)
 
     # ---- the model: the checkpoint of the run to continue, a base checkpoint of ours, or OpenAI's weights
-    checkpoint = None
+    checkpoint, base_args = None, {}
     if args.resume_checkpoint:
         checkpoint, _ = load_checkpoint(args.resume_checkpoint)  # the one get_args found
         raw_model = model_from_checkpoint(checkpoint)
     elif args.init_ckpt:
         base_checkpoint, _ = load_checkpoint(args.init_ckpt, mmap=True)  # its optimizer state is never read
         raw_model = model_from_checkpoint(base_checkpoint)
+        base_args = base_checkpoint.get("args", {})
     else:
         raw_model = gpt_from_pretrained(args.init_from)
     enc = get_chat_tokenizer()
@@ -731,6 +734,10 @@ def main(argv=None):
     T = args.seq_len or raw_model.config.block_size
     if T > raw_model.config.block_size:
         die(f"--seq_len {T} is beyond the model's context of {raw_model.config.block_size}; lower --seq_len")
+    # what fit in memory in the base run may be all that fits here (nanochat warns of it too)
+    if B * T > base_args.get("micro_batch_size", B) * base_args.get("seq_len", T):
+        print0(f"a micro-batch of {B} x {T} tokens is larger than the base run's ({base_args['micro_batch_size']} x "
+               f"{base_args['seq_len']}): should memory run out, lower --micro_batch_size")
     micro_step_rows = B * world_size  # one micro-batch on every rank
     total_batch_size = args.total_batch_size or micro_step_rows * T
     grad_accum_steps, rest = divmod(total_batch_size, micro_step_rows * T)

@@ -188,7 +188,9 @@ def test_a_folder_of_the_other_script_or_its_own_start_is_refused(base_ckpt, tmp
     mid = tmp_path / "mid"
     mid_flags = ["--data", f"chat:{chat}", "--device", "cpu", "--dtype", "float32", "--compile", "off",
                  "--micro_batch_size", 4, "--num_samples", 0, "--val_fraction", 0.1]
-    run("mid_train.py", "--init_ckpt", base_ckpt, "--out_dir", mid, *mid_flags, "--max_steps", 2, check=True)
+    first = run("mid_train.py", "--init_ckpt", base_ckpt, "--out_dir", mid, *mid_flags, "--max_steps", 2, check=True)
+    # 4 rows of 64 tokens, where the base run's micro-batch was 4 of 32: what fit there may not here
+    assert "a micro-batch of 4 x 64 tokens is larger than the base run's (4 x 32)" in first.stdout, first.stdout
     base_files = sorted(os.listdir(base_ckpt))
     for script, flags in (("mid_train.py", ["--init_ckpt", base_ckpt, "--out_dir", base_ckpt, *mid_flags]),
                           ("mid_train.py", ["--init_ckpt", mid, "--out_dir", mid, *mid_flags]),
