@@ -10,7 +10,7 @@ midtraining does). The same loop as pretraining, different data.
 
 What differs from train_gpt2.py, which this file follows block for block:
 - get_args: the start is a base checkpoint of ours (--init_ckpt) or OpenAI's weights (--init_from), and
-  --data names the sources, KIND:PATH[:EPOCHS]; new are --val_fraction and --warmdown_frac;
+  --data names the sources, KIND:PATH[:EPOCHS]; new are --val_fraction, --warmdown_frac and --init_lr_frac;
   --seq_len defaults to the model's context, --total_batch_size to one micro-batch a rank and --max_steps to
   one pass over the data; other defaults are lower (lr 2e-4, no weight decay, Muon at 0.005 with 50 warm-up
   steps). There is no --model, --data_dir, --val_tokens or HellaSwag; --resume also keeps --seed,
