@@ -124,7 +124,7 @@ def get_args(argv=None):
                    help="tokens per optimizer step, over all processes (default: one micro-batch on each)")
     p.add_argument("--max_steps", type=positive_int,
                    help="optimizer steps (default: one pass over the packed train rows)")
-    p.add_argument("--max_tokens", type=positive_int, help="train this many tokens instead of --max_steps (whole steps)")
+    p.add_argument("--max_tokens", type=positive_int, help="train this many tokens, not --max_steps (whole steps)")
     p.add_argument("--warmdown_frac", type=fraction, default=0.2,
                    help="decay the learning rate linearly to 0 over this last share of the steps")
     p.add_argument("--init_lr_frac", type=ranged(float, 0, 1, low_open=True), default=1.0,

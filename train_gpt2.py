@@ -90,13 +90,13 @@ def get_args(argv=None):
                    help="shuffled: shards and their steps in a seeded new order each epoch; sequential: file order")
     p.add_argument("--seq_len", type=positive_int, default=1024,
                    help="tokens per training sequence (at most the context length)")
-    p.add_argument("--overfit_batch", action="store_true", help="train on the first step's batch only: the loss must near 0")
+    p.add_argument("--overfit_batch", action="store_true", help="train on the first step's batch only (a check)")
     p.add_argument("--total_batch_size", type=positive_int, default=524288,
                    help="tokens per optimizer step, over all processes")
     # optimization
     p.add_argument("--max_steps", type=positive_int, default=19073,
                    help="optimizer steps (19073 x 2^19 tokens = 10B)")
-    p.add_argument("--max_tokens", type=positive_int, help="train this many tokens instead of --max_steps (whole steps)")
+    p.add_argument("--max_tokens", type=positive_int, help="train this many tokens, not --max_steps (whole steps)")
     p.add_argument("--warmup_steps", type=nonneg_int, default=715, help="linear learning-rate warm-up steps")
     p.add_argument("--min_lr_ratio", type=fraction, default=0.1, help="cosine decay ends at lr * this")
     add_optimizer_flags(p, muon_lr=0.02, muon_momentum_warmup=300)
