@@ -112,8 +112,9 @@ def get_args(argv=None):
     if args.max_tokens and not args.resume_checkpoint:  # (continue_run resolved a continued run's)
         args.max_steps = steps_to_max_tokens(args)
     # A warm-up to the last step leaves the lr short of its peak, never decayed. The preset's or default's, past a
-    # shorter --max_steps given, shrinks with the run; one given is kept (a smoke run of a few steps), with a line.
-    if args.warmup_steps >= args.max_steps:
+    # shorter --max_steps given, shrinks with the run; one given is kept (a smoke run of a few steps), with a line. A
+    # continued run keeps its schedule.
+    if args.warmup_steps >= args.max_steps and not args.resume_checkpoint:
         if "warmup_steps" in given_flags(argv):
             print0(f"--warmup_steps {args.warmup_steps} is not below --max_steps {args.max_steps}: the learning rate "
                    f"never decays (fewer warm-up steps would)")
