@@ -631,10 +631,13 @@ def init_distributed(device):
     except Exception as e:
         die(f"--device {device}: {str(e).splitlines()[0]}; give auto, cpu, mps, cuda or cuda:N (torch "
             f"{torch.__version__} sees {torch.cuda.device_count()} CUDA device(s))")
-    if world_size > 1 and device.startswith("cuda"):
-        dist.init_process_group("nccl", device_id=torch.device(device))
-    elif world_size > 1:
-        dist.init_process_group("gloo")
+    if world_size > 1:
+        # torchrun's store outlives a failed attempt (--max_restarts), with its ranks' addresses in it: each attempt
+        # keeps its keys apart, or a restarted rank may dial a dead one's port (gloo: "Connection refused")
+        store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/",
+                                 next(dist.rendezvous("env://"))[0])
+        backend, device_id = ("nccl", torch.device(device)) if device.startswith("cuda") else ("gloo", None)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, device_id=device_id)
     return device
 
 

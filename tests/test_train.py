@@ -139,6 +139,33 @@ def test_sigkill_resumes_from_last_checkpoint(shards, tmp_path):
     assert sorted(b) == list(range(60)) and all(a[s] == b[s] for s in a)
 
 
+def test_a_rank_killed_under_torchrun_max_restarts_goes_on_from_the_last_checkpoint(shards, tmp_path):
+    """torchrun --max_restarts 1 starts the ranks again when one dies, and the run goes on from its newest checkpoint
+    to the uninterrupted run's end. The restarted ranks must not read the dead attempt's addresses from torchrun's
+    store (they used to, now and then: gloo's "Connection refused", and the restart was spent)."""
+    flags = [*TINY, "--data_dir", shards, "--max_steps", 40, "--eval_every", 40, "--save_every", 4]
+    torchrun("train_gpt2.py", *flags, "--out_dir", tmp_path / "straight")
+    killed = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max_restarts=1",
+           os.path.join(REPO, "train_gpt2.py"), *map(str, flags), "--out_dir", str(killed)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        assert wait_for(lambda: (killed / "ckpt_0000004.pt").exists())
+
+        def rank_1():  # torchrun's worker of rank 1, by its environment
+            for pid in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    parent = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+                    if parent == proc.pid and b"RANK=1" in open(f"/proc/{pid}/environ", "rb").read().split(b"\0"):
+                        return int(pid)
+                except OSError:  # a process that has ended
+                    pass
+        os.kill(rank_1(), signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert val_losses(killed)[40] == val_losses(tmp_path / "straight")[40]
+
+
 def test_sigterm_saves_and_exits_cleanly(shards, tmp_path):
     out = tmp_path / "run"
     proc = start([*TINY, "--data_dir", shards, "--max_steps", 100000, "--eval_every", 1000], out)
