@@ -867,10 +867,16 @@ def set_schedule(optimizers, multiplier, step, args):
 
 # ---- shared: memory ----
 def exit_on_out_of_memory(main, advice):
-    """Run main(); running out of memory anywhere in it is one line with the advice (what to lower), exit 2."""
+    """Run main(); running out of memory anywhere in it is one line with the advice (what to lower), exit 2. So is a
+    rank's lost connection to a rank that died, under torchrun (which stops or restarts them all)."""
     try:
         return main()
     except Exception as e:  # torch's errors say "out of memory", a failed CPU allocation's in a RuntimeError
+        if dist.is_initialized() and (isinstance(e, dist.DistError) or "by peer" in str(e)):  # gloo's: "reset by peer"
+            cause = str(e).splitlines()[0].split(". ")[0]
+            print(f"error: rank {rank} lost another rank ({cause}); torchrun --max_restarts starts them again, and "
+                  f"the same command goes on from the newest checkpoint", file=sys.stderr, flush=True)
+            os._exit(2)
         out_of_memory = isinstance(e, MemoryError) or any(
             text in str(e) for text in ("can't allocate memory", "not enough memory", "out of memory"))
         if not out_of_memory:

@@ -164,6 +164,8 @@ def test_a_rank_killed_under_torchrun_max_restarts_goes_on_from_the_last_checkpo
         stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr[-3000:]
     assert val_losses(killed)[40] == val_losses(tmp_path / "straight")[40]
+    # the rank that survived says so in one line, not torch's traceback
+    assert "Traceback" not in stderr and "error: rank 0 lost another rank" in stderr, stderr[-3000:]
 
 
 def test_sigterm_saves_and_exits_cleanly(shards, tmp_path):
