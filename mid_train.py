@@ -10,7 +10,7 @@ midtraining does). The same loop as pretraining, different data.
 
 What differs from train_gpt2.py, which this file follows block for block:
 - get_args: the start is a base checkpoint of ours (--init_ckpt) or OpenAI's weights (--init_from), and
-  --data names the sources, KIND:PATH[:EPOCHS]; new are --val_fraction and --warmdown_frac;
+  --data names the sources, KIND:PATH[:EPOCHS]; new are --val_fraction, --warmdown_frac and --init_lr_frac;
   --seq_len defaults to the model's context, --total_batch_size to one micro-batch a rank and --max_steps to
   one pass over the data; other defaults are lower (lr 2e-4, no weight decay, Muon at 0.005 with 50 warm-up
   steps). There is no --model, --data_dir, --val_tokens or HellaSwag; --resume also keeps --seed,
@@ -20,9 +20,11 @@ What differs from train_gpt2.py, which this file follows block for block:
   (parse_source, load_source with render, calculator_parts for GSM8K; spelling_conversations generates the
   spelling tasks), crops each rendered conversation to a row, leaves out those with nothing to learn, and packs
   them into rows (pack_rows); row_batches reads the rows, with -1 targets where nothing is learned.
-- lr_multiplier: flat, then a linear decay to 0 (no warm-up: the weights are trained already).
-- main(): the model comes from --init_ckpt or --init_from; the rows a step reads follow from its number, and
-  its loss is averaged over the targets they hold, counted first; the val rows are padded to whole
+- lr_multiplier: flat, then a linear decay to 0 at the last trained step (no warm-up: the weights are trained
+  already).
+- main(): the model comes from --init_ckpt or --init_from; the rows a step reads follow from its number
+  (first_row_of: a new order each pass), and its loss is averaged over the targets they hold, counted first; the
+  val rows are padded to whole
   micro-batches, and the val loss is a sum over a count; the samples are replies to a chat prompt, cut at
   their end token, also at the first step; the checkpoint also holds kind "mid" and the chat tokens.
 The code after main() is train_gpt2.py's, in the same shared blocks, but for HellaSwag (tools/sync_shared.py
@@ -140,6 +142,8 @@ def get_args(argv=None):
     add("--max_steps", type=positive_int, help="optimizer steps (default: one pass over the packed train rows)")
     add("--warmdown_frac", type=fraction, default=0.2,
         help="decay the learning rate linearly to 0 over this last share of the steps")
+    add("--init_lr_frac", type=ranged(float, 0, 1, low_open=True), default=1.0,
+        help="the schedule starts at this share of --lr and --muon_lr, its peak (nanochat's)")
     # An out_dir holding checkpoints continues its run. Where it started and its data stay as they were: the
     # train rows a step reads follow from its number.
     args = parse_trainer_flags(p, argv, DEMO_PRESET, start_flags=["init_ckpt"],
@@ -172,6 +176,7 @@ def trainer_flags(description, **defaults):
     # the start and the batch
     add("--init_from", choices=MODEL_SIZES, help="start from OpenAI's weights (needs transformers)")
     add("--micro_batch_size", type=positive_int, help="sequences per forward pass on each process")
+    add("--max_tokens", type=positive_int, help="train this many tokens, not --max_steps (whole steps)")
     # optimization: AdamW, or Muon with AdamW (MUON_FLAGS)
     add("--lr", type=positive_float, help="peak learning rate (AdamW)")
     add("--weight_decay", type=nonneg_float, help="weight decay on 2-D weights")
@@ -692,6 +697,16 @@ def build_data(args, enc, capacity):
     return splits, hashes
 
 
+def first_row_of(step, steps_per_pass, step_rows, seed):
+    """The first train row a step reads. The first pass over the rows reads them in order (packing shuffled them);
+    each later pass reads the steps' rows in a new order, seeded by (seed, pass). It follows from the step's number
+    alone, so a continued run reads what the uninterrupted one would."""
+    pass_index, slot = divmod(step, steps_per_pass)
+    if pass_index:
+        slot = np.random.default_rng((seed, pass_index)).permutation(steps_per_pass)[slot]
+    return int(slot) * step_rows
+
+
 def row_batches(tokens, mask, B, first_row, device):
     """This rank's (B, T) inputs and targets (-1 where nothing is learned) on the device, micro-batch after
     micro-batch from row first_row on: each rank reads its B rows of every B * world_size."""
@@ -710,21 +725,26 @@ def row_batches(tokens, mask, B, first_row, device):
 
 
 def lr_multiplier(step, args):
-    """Flat, then linear decay to 0 over the last warmdown_frac of the steps."""
-    warmdown = max(1, round(args.warmdown_frac * args.max_steps))
-    return min(1.0, (args.max_steps - step) / warmdown)
+    """init_lr_frac, flat, then a linear decay over the last warmdown_frac of the steps that reaches 0 at the last
+    trained step (step max_steps - 1), as nanochat's: however few the steps, the last learns at 0."""
+    progress = step / max(1, args.max_steps - 1)  # 0 at the first trained step, 1 at the last
+    if args.warmdown_frac == 0:
+        return args.init_lr_frac
+    return args.init_lr_frac * min(1.0, (1 - progress) / args.warmdown_frac)
 
 
 # ---- shared: step ----
 def train_step(model, optimizers, scaler, next_batch, grad_accum_steps, step_tokens, grad_clip,
-               autocast_ctx):
+               autocast_ctx, mark_time=lambda part: None):
     """One optimizer step over grad_accum_steps micro-batches. Returns the step's metrics, this rank's part
     of each as a device scalar (no host sync in here): its loss and gradient norm, and any metric added to
-    them, which the loop averages over the ranks and logs (the step line, log.jsonl, wandb)."""
+    them, which the loop averages over the ranks and logs (the step line, log.jsonl, wandb). mark_time(part)
+    (step_timer's) ends each part: data, forward_backward, optimizer."""
     metrics = {}
     loss_accum = 0.0
     for micro_step in range(grad_accum_steps):
         x, y = next_batch()  # on the device already
+        mark_time("data")
         # all-reduce the gradients on the last micro-step only: the ones before just add to .grad
         last_micro_step = micro_step == grad_accum_steps - 1
         if isinstance(model, DDP):
@@ -740,6 +760,7 @@ def train_step(model, optimizers, scaler, next_batch, grad_accum_steps, step_tok
         loss = loss * (world_size / max(step_tokens, 1))  # a step with no target at all: 0, not 0 / 0
         loss_accum = loss_accum + loss.detach()
         scaler.scale(loss).backward()
+        mark_time("forward_backward")
     for opt in optimizers:
         scaler.unscale_(opt)
     grad_norm = nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
@@ -749,8 +770,33 @@ def train_step(model, optimizers, scaler, next_batch, grad_accum_steps, step_tok
         scaler.step(opt)
         opt.zero_grad(set_to_none=True)
     scaler.update()
+    mark_time("optimizer")
     metrics.update(loss=loss_accum, grad_norm=grad_norm)
     return metrics
+
+
+def step_timer(device):
+    """(mark_time, time_parts) of one step: mark_time(part) gives the time since the last mark to that part;
+    time_parts() is each part's milliseconds (data_ms...), once the step's host sync has passed. On CUDA a mark is an
+    event that the GPU stamps as it gets there, so no mark waits for it (a part is the GPU's time: data_ms is the
+    copy and any wait for the host's batch); on a CPU, where ops run as called, the host's clock."""
+    cuda = device.startswith("cuda")
+    marks = []
+
+    def mark_time(part):
+        stamp = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+        if cuda:
+            stamp.record()
+        marks.append((part, stamp))
+
+    def time_parts():
+        parts = {}
+        for (_, start), (part, end) in zip(marks, marks[1:]):
+            ms = start.elapsed_time(end) if cuda else (end - start) * 1000
+            parts[f"{part}_ms"] = parts.get(f"{part}_ms", 0.0) + ms
+        return parts
+    mark_time("start")
+    return mark_time, time_parts
 # ---- end shared: step ----
 
 
@@ -766,13 +812,14 @@ def main(argv=None):
     take_out_dir(args)
 
     # ---- the model: the checkpoint of the run to continue, a base checkpoint of ours, or OpenAI's weights
-    checkpoint = None
+    checkpoint, base_args = None, {}
     if args.resume_checkpoint:
         checkpoint, _ = load_checkpoint(args.resume_checkpoint)  # the one get_args found
         raw_model = model_from_checkpoint(checkpoint)
     elif args.init_ckpt:
         base_checkpoint, _ = load_checkpoint(args.init_ckpt, mmap=True)  # its optimizer state is never read
         raw_model = model_from_checkpoint(base_checkpoint)
+        base_args = base_checkpoint.get("args", {})
     else:
         raw_model = gpt_from_pretrained(args.init_from)
     enc = get_chat_tokenizer()
@@ -783,6 +830,10 @@ def main(argv=None):
     T = args.seq_len or raw_model.config.block_size
     if T > raw_model.config.block_size:
         die(f"--seq_len {T} is beyond the model's context of {raw_model.config.block_size}; lower --seq_len")
+    # what fit in memory in the base run may be all that fits here (nanochat warns of it too)
+    if B * T > base_args.get("micro_batch_size", B) * base_args.get("seq_len", T):
+        print0(f"a micro-batch of {B} x {T} tokens is larger than the base run's ({base_args['micro_batch_size']} x "
+               f"{base_args['seq_len']}): should memory run out, lower --micro_batch_size")
     micro_step_rows = B * world_size  # one micro-batch on every rank
     total_batch_size = args.total_batch_size or micro_step_rows * T
     grad_accum_steps, rest = divmod(total_batch_size, micro_step_rows * T)
@@ -817,6 +868,8 @@ def main(argv=None):
     # that have no target (they add nothing to the loss or its count).
     padding = [(0, -len(val_tokens) % micro_step_rows), (0, 0)]
     eval_tokens, eval_mask = (np.pad(array, padding) for array in (val_tokens, val_mask))
+    if args.max_tokens and not args.resume_checkpoint:  # (continue_run resolved a continued run's)
+        args.max_steps = steps_to_max_tokens(args)
     args.max_steps = args.max_steps or steps_per_pass  # by default one pass over the train rows
 
     # ---- the training setup
@@ -829,7 +882,8 @@ def main(argv=None):
 
     # ---- the run's state, in every checkpoint: a continued run takes it back whole
     state = dict(step=0, val_loss=None, best={"val_loss": math.inf, "val_bpb": math.inf}, tokens=0,
-                 train_seconds=0.0, wandb_run_id=None, chat_tokens=CHAT_TOKENS, data_hashes=data_hashes)
+                 train_seconds=0.0, peak_mem_gib=0.0, wandb_run_id=None, chat_tokens=CHAT_TOKENS,
+                 data_hashes=data_hashes)
     if checkpoint:
         restore_run(checkpoint, state, raw_model, optimizers, scaler)
     start_step = state["step"]
@@ -882,20 +936,22 @@ def main(argv=None):
 
             # one optimizer step; SIGTERM or Ctrl-C on any rank ends the run here (or in an eval) on every rank
             t0 = time.perf_counter()
+            mark_time, time_parts = step_timer(device)  # where the step's time goes
             stop_if_asked(device)  # every rank waits here for the slowest: the step's time counts that wait
+            mark_time("sync")
             learning_rates = set_schedule(optimizers, lr_multiplier(step, args), step, args)
-            first_row = (step % steps_per_pass) * step_rows
+            first_row = first_row_of(step, steps_per_pass, step_rows, args.seed)
             step_tokens = int(train_mask[first_row: first_row + step_rows, 1:].sum())  # the targets it learns
             train_batches = row_batches(train_tokens, train_mask, B, first_row, device)
             metrics = train_step(model, optimizers, scaler, lambda: next(train_batches), grad_accum_steps,
-                                 step_tokens, args.grad_clip, autocast_ctx)
-            metrics = sync_ranks(metrics)  # the step's one host sync: the means over the ranks
+                                 step_tokens, args.grad_clip, autocast_ctx, mark_time)
+            metrics = sync_ranks(metrics, mark_time)  # the step's one host sync: the means over the ranks
             state["step"] = step + 1  # the weights are the next step's now: what a save at a fault holds
             seconds = time.perf_counter() - t0
             # the step's loss judges the weights it started from: a checkpoint of them is kept, or it diverged
             judge_checkpoint(args, step, metrics, saved)
             # a line every --log_every steps, with the pass over the train rows (epoch)
-            log.step(step, {**metrics, **learning_rates}, seconds, step // steps_per_pass)
+            log.step(step, {**metrics, **learning_rates, **time_parts()}, seconds, step // steps_per_pass)
     except StopRun:
         stop_run(args, state, save)
     except Exception as fault:
@@ -925,10 +981,13 @@ def init_distributed(device):
     except Exception as e:
         die(f"--device {device}: {str(e).splitlines()[0]}; give auto, cpu, mps, cuda or cuda:N (torch "
             f"{torch.__version__} sees {torch.cuda.device_count()} CUDA device(s))")
-    if world_size > 1 and device.startswith("cuda"):
-        dist.init_process_group("nccl", device_id=torch.device(device))
-    elif world_size > 1:
-        dist.init_process_group("gloo")
+    if world_size > 1:
+        # torchrun's store outlives a failed attempt (--max_restarts), with its ranks' addresses in it: each attempt
+        # keeps its keys apart, or a restarted rank may dial a dead one's port (gloo: "Connection refused")
+        store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/",
+                                 next(dist.rendezvous("env://"))[0])
+        backend, device_id = ("nccl", torch.device(device)) if device.startswith("cuda") else ("gloo", None)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, device_id=device_id)
     return device
 
 
@@ -1127,10 +1186,16 @@ def set_schedule(optimizers, multiplier, step, args):
 
 # ---- shared: memory ----
 def exit_on_out_of_memory(main, advice):
-    """Run main(); running out of memory anywhere in it is one line with the advice (what to lower), exit 2."""
+    """Run main(); running out of memory anywhere in it is one line with the advice (what to lower), exit 2. So is a
+    rank's lost connection to a rank that died, under torchrun (which stops or restarts them all)."""
     try:
         return main()
     except Exception as e:  # torch's errors say "out of memory", a failed CPU allocation's in a RuntimeError
+        if dist.is_initialized() and (isinstance(e, dist.DistError) or "by peer" in str(e)):  # gloo's: "reset by peer"
+            cause = str(e).splitlines()[0].split(". ")[0]
+            print(f"error: rank {rank} lost another rank ({cause}); torchrun --max_restarts starts them again, and "
+                  f"the same command goes on from the newest checkpoint", file=sys.stderr, flush=True)
+            os._exit(2)
         out_of_memory = isinstance(e, MemoryError) or any(
             text in str(e) for text in ("can't allocate memory", "not enough memory", "out of memory"))
         if not out_of_memory:
@@ -1284,15 +1349,16 @@ def continue_run(args, argv, fixed, kind):
     for key in ("resume", "resume_checkpoint", "out_dir", "demo", "fsdp"):
         saved.pop(key, None)
     take_defaults(args, argv, saved)
+    if "max_steps" in given_flags(argv):  # it replaces the run's --max_tokens
+        args.max_tokens = None
     changed = [key for key, value in saved.items() if getattr(args, key, value) != value]
     for key in changed:
         if key in fixed:
             die(f"--{key} {getattr(args, key)}: the checkpoint in {args.out_dir} was trained with {saved[key]}, "
                 f"and a resumed run keeps it (its model, optimizer and data split); drop --{key}, or start afresh "
                 f"in another --out_dir")
-    if changed:
-        print0("resume: flags changed since the checkpoint: "
-               + ", ".join(f"{key} {saved[key]} -> {getattr(args, key)}" for key in changed))
+    if args.max_tokens:  # a run sized in tokens goes on to them
+        args.max_steps = steps_to_max_tokens(args, checkpoint["step"], checkpoint["tokens"])
     # a --max_steps below the checkpoint's step would train nothing and cut its records from the log
     if args.max_steps < checkpoint["step"]:
         die(f"--max_steps {args.max_steps} is below the step of the run in {args.out_dir} ({checkpoint['step']}); "
@@ -1302,15 +1368,18 @@ def continue_run(args, argv, fixed, kind):
         print0(f"the run in {args.out_dir} is complete (step {args.max_steps}): nothing to train; a higher "
                f"--max_steps goes on, another --out_dir starts a new run")
         sys.exit(0)
-    print0(f"--out_dir {args.out_dir} holds a run: continuing it from {path}, at step {checkpoint['step']} (a new "
-           f"run needs another --out_dir)")
+    # said once every check has passed (RunLog prints them): a refused continuation says nothing of going on
+    args.resume_lines = ["resume: flags changed since the checkpoint: "
+                         + ", ".join(f"{key} {saved[key]} -> {getattr(args, key)}" for key in changed)] * bool(changed)
+    args.resume_lines.append(f"--out_dir {args.out_dir} holds a run: continuing it from {path}, at step "
+                             f"{checkpoint['step']} (a new run needs another --out_dir)")
     # the code that saved the checkpoint (None before runs recorded it): a fork edited since goes on, and says so
     saved_code, our_code = checkpoint.get("code") or {}, script_hashes()
     changed_code = sorted(name for name in saved_code.keys() | our_code.keys()
                           if saved_code.get(name) != our_code.get(name))
     if saved_code and changed_code:
-        print0(f"resume: the code differs from the checkpoint's ({', '.join(changed_code)} changed); the run goes on "
-               f"with this code")
+        args.resume_lines.append(f"resume: the code differs from the checkpoint's ({', '.join(changed_code)} "
+                                 f"changed); the run goes on with this code")
     args.resume_checkpoint = path
 
 
@@ -1333,6 +1402,12 @@ def newest_readable_checkpoint(out_dir):
         print0(f"{bad} is damaged ({reason}): moved it aside to {bad}.damaged; the run goes on from the newest "
                f"readable checkpoint, {path}")
     return checkpoint, path
+
+
+def steps_to_max_tokens(args, step=0, tokens=0):
+    """--max_tokens as a --max_steps: the steps from `step` that train what is left of it after `tokens`, at this run's
+    --total_batch_size (a step is whole: the last one may go past it)."""
+    return step + math.ceil(max(0, args.max_tokens - tokens) / args.total_batch_size)
 
 
 def take_out_dir(args):
@@ -1544,6 +1619,8 @@ class RunLog:
         device_name = torch.cuda.get_device_name(device) if device.startswith("cuda") else device
         # MFU needs the device's peak FLOP/s: --peak_flops, or the table's entry for this GPU
         self.peak_flops = args.peak_flops or PEAK_BF16_FLOPS.get(device_name)
+        for line in vars(args).pop("resume_lines", []):  # continue_run's, not a flag
+            print0(line)
         code, diff = code_record()
         self.state["code"] = code["sha256"]  # in each checkpoint: a run continued by other code says so
         if master_process and not args.dry_run:
@@ -1633,21 +1710,29 @@ class RunLog:
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             step_seconds = slowest.item()
         tok_per_s = self.args.total_batch_size / step_seconds
-        record = {"step": step, **means, "last_loss": metrics["loss"], "tokens": self.state["tokens"],
+        record = {"step": step, **means, "last_loss": metrics["loss"], "last_grad_norm": metrics["grad_norm"],
+                  "tokens": self.state["tokens"],
                   "train_seconds": self.state["train_seconds"], "epoch": epoch, "ms": step_seconds * 1000,
-                  "tok_per_s": round(tok_per_s), "peak_mem_gib": peak_memory_gib(self.device),
+                  "tok_per_s": round(tok_per_s), "peak_mem_gib": self.peak_memory(),
                   "eta_s": round(step_seconds * (self.args.max_steps - 1 - step))}
         if self.peak_flops:
             record["mfu"] = self.flops_per_token * tok_per_s / (self.peak_flops * world_size)
         self(record)
+
+    def peak_memory(self):
+        """This launch's peak memory so far; the run's state keeps the peak over all its launches."""
+        peak = peak_memory_gib(self.device)
+        self.state["peak_mem_gib"] = max(self.state["peak_mem_gib"], peak)
+        return peak
 
     def summary(self, step, **more):
         """The run's summary at its last step: a record and out_dir/summary.json. An eval that never ran (its best
         still infinite) is None."""
         best = {f"best_{name}": None if value == math.inf else value for name, value in self.state["best"].items()}
         tokens = self.state["tokens"]
+        self.peak_memory()  # like the tokens and time, the peak spans all the run's launches
         summary = {**best, **more, "tokens": tokens, "train_seconds": self.state["train_seconds"],
-                   "flops": self.flops_per_token * tokens, "peak_mem_gib": peak_memory_gib(self.device)}
+                   "flops": self.flops_per_token * tokens, "peak_mem_gib": self.state["peak_mem_gib"]}
         self({"step": step, "summary": summary},
              "summary: " + " | ".join(f"{name} {shown(value)}" for name, value in summary.items()))
         if master_process and not self.args.dry_run:
@@ -1823,11 +1908,13 @@ def stop_if_asked(device):
         raise StopRun
 
 
-def sync_ranks(metrics):
-    """The mean over the ranks of each metric (a dict of device scalars): one all-reduce of one tensor."""
+def sync_ranks(metrics, mark_time=lambda part: None):
+    """The mean over the ranks of each metric (a dict of device scalars): one all-reduce of one tensor, the step's
+    "sync" part (step_timer)."""
     values = torch.stack(list(metrics.values())).float()
     if world_size > 1:
         dist.all_reduce(values)
+    mark_time("sync")  # before the host sync below, which waits for it
     means = (values / world_size).tolist()  # a host sync, a step's only one
     return dict(zip(metrics, means))
 # ---- end shared: signals ----
@@ -1961,6 +2048,8 @@ def parse_trainer_flags(p, argv, preset, start_flags, fixed, kind):
     --init_from is given: OpenAI's weights are as they are. An out_dir holding checkpoints continues its run, with
     the `fixed` flags as they were (continue_run). Muon's flags with AdamW, or the samples' with none, are refused."""
     args = p.parse_args(argv)
+    if {"max_steps", "max_tokens"} <= given_flags(argv):
+        die("--max_steps and --max_tokens both size the run: give one")
     if args.demo:
         take_defaults(args, argv, {key: value for key, value in preset.items()
                                     if not (args.init_from and key in start_flags)})

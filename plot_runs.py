@@ -6,7 +6,8 @@ Compare runs:   python plot_runs.py out/base out/variant --out compare.png
 
 A run is the --out_dir of train_gpt2.py or mid_train.py, still running or done, resumed or not. For two
 runs or more the table is followed by the flags in which they differ. Works offline and without a display;
-the picture needs matplotlib (pip install matplotlib), the table only Python.
+the picture needs matplotlib (pip install matplotlib), the table only Python: without matplotlib the
+table is printed, a line says there is no picture, and the exit code is 0.
 """
 
 import argparse
@@ -29,8 +30,9 @@ METRICS = ("loss", "val_loss", "hellaswag_acc_norm")
 NUMBERS = ("tokens", "ms", "tok_per_s", "mfu")
 # The fields of the trainers' step records, drawn as the loss or given in the table or not a measure of training.
 # Any other number in a step record is a metric added to the step (in train_step): it gets a panel of its own.
-STEP_FIELDS = ("step", "loss", "last_loss", "lr", "muon_lr", "grad_norm", "tokens", "train_seconds", "epoch", "ms",
-               "tok_per_s", "mfu", "peak_mem_gib", "eta_s", "time")
+STEP_FIELDS = ("step", "loss", "last_loss", "lr", "muon_lr", "grad_norm", "last_grad_norm", "tokens", "train_seconds",
+               "epoch", "ms", "data_ms", "forward_backward_ms", "optimizer_ms", "sync_ms", "tok_per_s", "mfu",
+               "peak_mem_gib", "eta_s", "time")
 # flags in which two runs of one experiment differ anyway
 NOT_COMPARED = ("out_dir", "resume", "resume_checkpoint", "run", "dry_run")
 DATA_FLAGS = ("data_dir", "data", "val_fraction", "seed")  # flags that change what a run reads
@@ -65,7 +67,6 @@ def main(argv=None):
     if len(runs) > 1:
         print_differences(runs)
     plot(runs, args.out, args.smooth)
-    print(f"wrote {args.out}")
 
 
 # -----------------------------------------------------------------------------
@@ -258,8 +259,9 @@ def plot(runs, out, smooth):
     a row; GPT-2 124M's figures where they compare."""
     try:
         import matplotlib
-    except ImportError:
-        die("the picture needs matplotlib, which is not installed: pip install matplotlib")
+    except ImportError:  # the table alone is what a run without matplotlib asked for: no failure, a line
+        print(f"no picture: {out} needs matplotlib, which is not installed (pip install matplotlib)", file=sys.stderr)
+        return
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
     from matplotlib.ticker import EngFormatter, FormatStrFormatter
@@ -310,6 +312,7 @@ def plot(runs, out, smooth):
     except OSError as e:
         die(f"cannot write {out} ({e.strerror}); give another --out")
     plt.close(fig)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

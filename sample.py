@@ -652,10 +652,13 @@ def init_distributed(device):
     except Exception as e:
         die(f"--device {device}: {str(e).splitlines()[0]}; give auto, cpu, mps, cuda or cuda:N (torch "
             f"{torch.__version__} sees {torch.cuda.device_count()} CUDA device(s))")
-    if world_size > 1 and device.startswith("cuda"):
-        dist.init_process_group("nccl", device_id=torch.device(device))
-    elif world_size > 1:
-        dist.init_process_group("gloo")
+    if world_size > 1:
+        # torchrun's store outlives a failed attempt (--max_restarts), with its ranks' addresses in it: each attempt
+        # keeps its keys apart, or a restarted rank may dial a dead one's port (gloo: "Connection refused")
+        store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/",
+                                 next(dist.rendezvous("env://"))[0])
+        backend, device_id = ("nccl", torch.device(device)) if device.startswith("cuda") else ("gloo", None)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, device_id=device_id)
     return device
 
 
@@ -692,10 +695,16 @@ def autocast_context(device_type, dtype):
 
 # ---- shared: memory ----
 def exit_on_out_of_memory(main, advice):
-    """Run main(); running out of memory anywhere in it is one line with the advice (what to lower), exit 2."""
+    """Run main(); running out of memory anywhere in it is one line with the advice (what to lower), exit 2. So is a
+    rank's lost connection to a rank that died, under torchrun (which stops or restarts them all)."""
     try:
         return main()
     except Exception as e:  # torch's errors say "out of memory", a failed CPU allocation's in a RuntimeError
+        if dist.is_initialized() and (isinstance(e, dist.DistError) or "by peer" in str(e)):  # gloo's: "reset by peer"
+            cause = str(e).splitlines()[0].split(". ")[0]
+            print(f"error: rank {rank} lost another rank ({cause}); torchrun --max_restarts starts them again, and "
+                  f"the same command goes on from the newest checkpoint", file=sys.stderr, flush=True)
+            os._exit(2)
         out_of_memory = isinstance(e, MemoryError) or any(
             text in str(e) for text in ("can't allocate memory", "not enough memory", "out of memory"))
         if not out_of_memory:

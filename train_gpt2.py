@@ -108,6 +108,7 @@ def get_args(argv=None):
     add("--data_order", default="shuffled", choices=["shuffled", "sequential"],
         help="shuffled: shards and their steps in a seeded new order each epoch; sequential: file order")
     add("--seq_len", type=positive_int, default=1024, help="tokens per training sequence (at most the context length)")
+    add("--overfit_batch", action="store_true", help="train on the first step's batch only (a check)")
     add("--total_batch_size", type=positive_int, default=524288, help="tokens per optimizer step, over all processes")
     # schedule
     add("--max_steps", type=positive_int, default=19073, help="optimizer steps (19073 x 2^19 tokens = 10B)")
@@ -117,12 +118,29 @@ def get_args(argv=None):
     add("--val_tokens", type=positive_int, default=10485760, help="tokens of the val shard each eval reads")
     add("--hellaswag_file",
         help="HellaSwag .jsonl to evaluate at each eval (see hellaswag.py; its first lines: a quicker eval)")
+    add("--hellaswag_limit", type=nonneg_int, default=0, help="score its first N examples (0: all)")
     # an out_dir holding checkpoints continues its run; the model, optimizer and data stay as they were
     args = parse_trainer_flags(p, argv, DEMO_PRESET, start_flags=model_flags,
                                fixed=("model", *model_flags, "init_from", "optimizer", "data_dir"), kind="base")
+    if args.max_tokens and not args.resume_checkpoint:  # (continue_run resolved a continued run's)
+        args.max_steps = steps_to_max_tokens(args)
+    # A warm-up to the last step leaves the lr short of its peak, never decayed. The preset's or default's, past a
+    # shorter --max_steps given, shrinks with the run; one given is kept (a smoke run of a few steps), with a line. A
+    # continued run keeps its schedule.
+    if args.warmup_steps >= args.max_steps and not args.resume_checkpoint:
+        if "warmup_steps" in given_flags(argv):
+            print0(f"--warmup_steps {args.warmup_steps} is not below --max_steps {args.max_steps}: the learning rate "
+                   f"never decays (fewer warm-up steps would)")
+        else:
+            planned_steps = DEMO_PRESET["max_steps"] if args.demo else p.get_default("max_steps")
+            scaled = args.warmup_steps * args.max_steps // planned_steps
+            print0(f"{'--demo' if args.demo else 'the default'}'s {args.warmup_steps} warm-up steps are not below "
+                   f"--max_steps {args.max_steps}: --warmup_steps {scaled}, the same share of the steps")
+            args.warmup_steps = scaled
     refuse_ignored(argv, {
         "--eval_every 0": (args.eval_every == 0,
-                           ["val_tokens", "num_samples", "sample_len", "prompt", "hellaswag_file"]),
+                           ["val_tokens", "num_samples", "sample_len", "prompt", "hellaswag_file", "hellaswag_limit"]),
+        "no --hellaswag_file": (args.hellaswag_file is None, ["hellaswag_limit"]),
         "--init_from (OpenAI's model as it is)": (args.init_from is not None, ["model", *model_flags])})
     return args
 
@@ -138,6 +156,7 @@ def trainer_flags(description, **defaults):
     # the start and the batch
     add("--init_from", choices=MODEL_SIZES, help="start from OpenAI's weights (needs transformers)")
     add("--micro_batch_size", type=positive_int, help="sequences per forward pass on each process")
+    add("--max_tokens", type=positive_int, help="train this many tokens, not --max_steps (whole steps)")
     # optimization: AdamW, or Muon with AdamW (MUON_FLAGS)
     add("--lr", type=positive_float, help="peak learning rate (AdamW)")
     add("--weight_decay", type=nonneg_float, help="weight decay on 2-D weights")
@@ -472,14 +491,16 @@ def lr_multiplier(step, args):
 
 # ---- shared: step ----
 def train_step(model, optimizers, scaler, next_batch, grad_accum_steps, step_tokens, grad_clip,
-               autocast_ctx):
+               autocast_ctx, mark_time=lambda part: None):
     """One optimizer step over grad_accum_steps micro-batches. Returns the step's metrics, this rank's part
     of each as a device scalar (no host sync in here): its loss and gradient norm, and any metric added to
-    them, which the loop averages over the ranks and logs (the step line, log.jsonl, wandb)."""
+    them, which the loop averages over the ranks and logs (the step line, log.jsonl, wandb). mark_time(part)
+    (step_timer's) ends each part: data, forward_backward, optimizer."""
     metrics = {}
     loss_accum = 0.0
     for micro_step in range(grad_accum_steps):
         x, y = next_batch()  # on the device already
+        mark_time("data")
         # all-reduce the gradients on the last micro-step only: the ones before just add to .grad
         last_micro_step = micro_step == grad_accum_steps - 1
         if isinstance(model, DDP):
@@ -495,6 +516,7 @@ def train_step(model, optimizers, scaler, next_batch, grad_accum_steps, step_tok
         loss = loss * (world_size / max(step_tokens, 1))  # a step with no target at all: 0, not 0 / 0
         loss_accum = loss_accum + loss.detach()
         scaler.scale(loss).backward()
+        mark_time("forward_backward")
     for opt in optimizers:
         scaler.unscale_(opt)
     grad_norm = nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
@@ -504,8 +526,33 @@ def train_step(model, optimizers, scaler, next_batch, grad_accum_steps, step_tok
         scaler.step(opt)
         opt.zero_grad(set_to_none=True)
     scaler.update()
+    mark_time("optimizer")
     metrics.update(loss=loss_accum, grad_norm=grad_norm)
     return metrics
+
+
+def step_timer(device):
+    """(mark_time, time_parts) of one step: mark_time(part) gives the time since the last mark to that part;
+    time_parts() is each part's milliseconds (data_ms...), once the step's host sync has passed. On CUDA a mark is an
+    event that the GPU stamps as it gets there, so no mark waits for it (a part is the GPU's time: data_ms is the
+    copy and any wait for the host's batch); on a CPU, where ops run as called, the host's clock."""
+    cuda = device.startswith("cuda")
+    marks = []
+
+    def mark_time(part):
+        stamp = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+        if cuda:
+            stamp.record()
+        marks.append((part, stamp))
+
+    def time_parts():
+        parts = {}
+        for (_, start), (part, end) in zip(marks, marks[1:]):
+            ms = start.elapsed_time(end) if cuda else (end - start) * 1000
+            parts[f"{part}_ms"] = parts.get(f"{part}_ms", 0.0) + ms
+        return parts
+    mark_time("start")
+    return mark_time, time_parts
 # ---- end shared: step ----
 
 
@@ -570,7 +617,7 @@ def main(argv=None):
                f"{val_steps * micro_step_tokens:,} tokens")
     hellaswag_examples = None
     if args.hellaswag_file:
-        hellaswag_examples = load_hellaswag(args.hellaswag_file)
+        hellaswag_examples = load_hellaswag(args.hellaswag_file, args.hellaswag_limit)
     enc = get_tokenizer()
     token_bytes = token_byte_counts(enc, raw_model.config.vocab_size, device)  # for val bits per byte
     # each sample is a document that starts with the prompt: in the shards <|endoftext|> comes first
@@ -588,7 +635,7 @@ def main(argv=None):
 
     # ---- the run's state, in every checkpoint: a continued run takes it back whole
     state = dict(step=0, loader=None, val_loss=None, best={"val_loss": math.inf, "val_bpb": math.inf},
-                 hellaswag_acc_norm=None, tokens=0, train_seconds=0.0, wandb_run_id=None)
+                 hellaswag_acc_norm=None, tokens=0, train_seconds=0.0, peak_mem_gib=0.0, wandb_run_id=None)
     if checkpoint:
         restore_run(checkpoint, state, raw_model, optimizers, scaler)
         train_loader.load_state(state["loader"])
@@ -624,7 +671,7 @@ def main(argv=None):
                     raw_model, hellaswag_examples, enc, device, 16, autocast_ctx, split_ranks=not args.fsdp,
                     should_stop=lambda: stop_if_asked(device))
                 state["hellaswag_acc_norm"] = acc_norm  # the summary's
-                log({"step": step, "hellaswag_acc": acc, "hellaswag_acc_norm": acc_norm})
+                log({"step": step, "hellaswag_acc": acc, "hellaswag_acc_norm": acc_norm, "hellaswag_examples": count})
 
             # once in a while sample from the model (not at the start: it has learned nothing new yet); under
             # FSDP every rank runs the forward passes, as the weights are sharded
@@ -646,17 +693,22 @@ def main(argv=None):
 
             # one optimizer step; SIGTERM or Ctrl-C on any rank ends the run here (or in an eval) on every rank
             t0 = time.perf_counter()
+            mark_time, time_parts = step_timer(device)  # where the step's time goes
             stop_if_asked(device)  # every rank waits here for the slowest: the step's time counts that wait
+            mark_time("sync")
             learning_rates = set_schedule(optimizers, lr_multiplier(step, args), step, args)
+            if args.overfit_batch:  # the quickest check that an edited model learns at all
+                train_loader.tokens_read = 0
             metrics = train_step(model, optimizers, scaler, train_loader.next_batch, grad_accum_steps,
-                                 args.total_batch_size, args.grad_clip, autocast_ctx)
-            metrics = sync_ranks(metrics)  # the step's one host sync: the means over the ranks
+                                 args.total_batch_size, args.grad_clip, autocast_ctx, mark_time)
+            metrics = sync_ranks(metrics, mark_time)  # the step's one host sync: the means over the ranks
             # the weights are the next step's now: what a save at a fault from here on holds
             state["step"], state["loader"] = step + 1, train_loader.state()
             seconds = time.perf_counter() - t0
             # the step's loss judges the weights it started from: a checkpoint of them is kept, or it diverged
             judge_checkpoint(args, step, metrics, saved)
-            log.step(step, {**metrics, **learning_rates}, seconds, train_loader.epoch)  # a line every --log_every steps
+            log.step(step, {**metrics, **learning_rates, **time_parts()}, seconds,
+                     train_loader.epoch)  # a line every --log_every steps
     except StopRun:
         stop_run(args, state, save)
     except Exception as fault:
@@ -689,10 +741,13 @@ def init_distributed(device):
     except Exception as e:
         die(f"--device {device}: {str(e).splitlines()[0]}; give auto, cpu, mps, cuda or cuda:N (torch "
             f"{torch.__version__} sees {torch.cuda.device_count()} CUDA device(s))")
-    if world_size > 1 and device.startswith("cuda"):
-        dist.init_process_group("nccl", device_id=torch.device(device))
-    elif world_size > 1:
-        dist.init_process_group("gloo")
+    if world_size > 1:
+        # torchrun's store outlives a failed attempt (--max_restarts), with its ranks' addresses in it: each attempt
+        # keeps its keys apart, or a restarted rank may dial a dead one's port (gloo: "Connection refused")
+        store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/",
+                                 next(dist.rendezvous("env://"))[0])
+        backend, device_id = ("nccl", torch.device(device)) if device.startswith("cuda") else ("gloo", None)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, device_id=device_id)
     return device
 
 
@@ -891,10 +946,16 @@ def set_schedule(optimizers, multiplier, step, args):
 
 # ---- shared: memory ----
 def exit_on_out_of_memory(main, advice):
-    """Run main(); running out of memory anywhere in it is one line with the advice (what to lower), exit 2."""
+    """Run main(); running out of memory anywhere in it is one line with the advice (what to lower), exit 2. So is a
+    rank's lost connection to a rank that died, under torchrun (which stops or restarts them all)."""
     try:
         return main()
     except Exception as e:  # torch's errors say "out of memory", a failed CPU allocation's in a RuntimeError
+        if dist.is_initialized() and (isinstance(e, dist.DistError) or "by peer" in str(e)):  # gloo's: "reset by peer"
+            cause = str(e).splitlines()[0].split(". ")[0]
+            print(f"error: rank {rank} lost another rank ({cause}); torchrun --max_restarts starts them again, and "
+                  f"the same command goes on from the newest checkpoint", file=sys.stderr, flush=True)
+            os._exit(2)
         out_of_memory = isinstance(e, MemoryError) or any(
             text in str(e) for text in ("can't allocate memory", "not enough memory", "out of memory"))
         if not out_of_memory:
@@ -1048,15 +1109,16 @@ def continue_run(args, argv, fixed, kind):
     for key in ("resume", "resume_checkpoint", "out_dir", "demo", "fsdp"):
         saved.pop(key, None)
     take_defaults(args, argv, saved)
+    if "max_steps" in given_flags(argv):  # it replaces the run's --max_tokens
+        args.max_tokens = None
     changed = [key for key, value in saved.items() if getattr(args, key, value) != value]
     for key in changed:
         if key in fixed:
             die(f"--{key} {getattr(args, key)}: the checkpoint in {args.out_dir} was trained with {saved[key]}, "
                 f"and a resumed run keeps it (its model, optimizer and data split); drop --{key}, or start afresh "
                 f"in another --out_dir")
-    if changed:
-        print0("resume: flags changed since the checkpoint: "
-               + ", ".join(f"{key} {saved[key]} -> {getattr(args, key)}" for key in changed))
+    if args.max_tokens:  # a run sized in tokens goes on to them
+        args.max_steps = steps_to_max_tokens(args, checkpoint["step"], checkpoint["tokens"])
     # a --max_steps below the checkpoint's step would train nothing and cut its records from the log
     if args.max_steps < checkpoint["step"]:
         die(f"--max_steps {args.max_steps} is below the step of the run in {args.out_dir} ({checkpoint['step']}); "
@@ -1066,15 +1128,18 @@ def continue_run(args, argv, fixed, kind):
         print0(f"the run in {args.out_dir} is complete (step {args.max_steps}): nothing to train; a higher "
                f"--max_steps goes on, another --out_dir starts a new run")
         sys.exit(0)
-    print0(f"--out_dir {args.out_dir} holds a run: continuing it from {path}, at step {checkpoint['step']} (a new "
-           f"run needs another --out_dir)")
+    # said once every check has passed (RunLog prints them): a refused continuation says nothing of going on
+    args.resume_lines = ["resume: flags changed since the checkpoint: "
+                         + ", ".join(f"{key} {saved[key]} -> {getattr(args, key)}" for key in changed)] * bool(changed)
+    args.resume_lines.append(f"--out_dir {args.out_dir} holds a run: continuing it from {path}, at step "
+                             f"{checkpoint['step']} (a new run needs another --out_dir)")
     # the code that saved the checkpoint (None before runs recorded it): a fork edited since goes on, and says so
     saved_code, our_code = checkpoint.get("code") or {}, script_hashes()
     changed_code = sorted(name for name in saved_code.keys() | our_code.keys()
                           if saved_code.get(name) != our_code.get(name))
     if saved_code and changed_code:
-        print0(f"resume: the code differs from the checkpoint's ({', '.join(changed_code)} changed); the run goes on "
-               f"with this code")
+        args.resume_lines.append(f"resume: the code differs from the checkpoint's ({', '.join(changed_code)} "
+                                 f"changed); the run goes on with this code")
     args.resume_checkpoint = path
 
 
@@ -1097,6 +1162,12 @@ def newest_readable_checkpoint(out_dir):
         print0(f"{bad} is damaged ({reason}): moved it aside to {bad}.damaged; the run goes on from the newest "
                f"readable checkpoint, {path}")
     return checkpoint, path
+
+
+def steps_to_max_tokens(args, step=0, tokens=0):
+    """--max_tokens as a --max_steps: the steps from `step` that train what is left of it after `tokens`, at this run's
+    --total_batch_size (a step is whole: the last one may go past it)."""
+    return step + math.ceil(max(0, args.max_tokens - tokens) / args.total_batch_size)
 
 
 def take_out_dir(args):
@@ -1308,6 +1379,8 @@ class RunLog:
         device_name = torch.cuda.get_device_name(device) if device.startswith("cuda") else device
         # MFU needs the device's peak FLOP/s: --peak_flops, or the table's entry for this GPU
         self.peak_flops = args.peak_flops or PEAK_BF16_FLOPS.get(device_name)
+        for line in vars(args).pop("resume_lines", []):  # continue_run's, not a flag
+            print0(line)
         code, diff = code_record()
         self.state["code"] = code["sha256"]  # in each checkpoint: a run continued by other code says so
         if master_process and not args.dry_run:
@@ -1397,21 +1470,29 @@ class RunLog:
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             step_seconds = slowest.item()
         tok_per_s = self.args.total_batch_size / step_seconds
-        record = {"step": step, **means, "last_loss": metrics["loss"], "tokens": self.state["tokens"],
+        record = {"step": step, **means, "last_loss": metrics["loss"], "last_grad_norm": metrics["grad_norm"],
+                  "tokens": self.state["tokens"],
                   "train_seconds": self.state["train_seconds"], "epoch": epoch, "ms": step_seconds * 1000,
-                  "tok_per_s": round(tok_per_s), "peak_mem_gib": peak_memory_gib(self.device),
+                  "tok_per_s": round(tok_per_s), "peak_mem_gib": self.peak_memory(),
                   "eta_s": round(step_seconds * (self.args.max_steps - 1 - step))}
         if self.peak_flops:
             record["mfu"] = self.flops_per_token * tok_per_s / (self.peak_flops * world_size)
         self(record)
+
+    def peak_memory(self):
+        """This launch's peak memory so far; the run's state keeps the peak over all its launches."""
+        peak = peak_memory_gib(self.device)
+        self.state["peak_mem_gib"] = max(self.state["peak_mem_gib"], peak)
+        return peak
 
     def summary(self, step, **more):
         """The run's summary at its last step: a record and out_dir/summary.json. An eval that never ran (its best
         still infinite) is None."""
         best = {f"best_{name}": None if value == math.inf else value for name, value in self.state["best"].items()}
         tokens = self.state["tokens"]
+        self.peak_memory()  # like the tokens and time, the peak spans all the run's launches
         summary = {**best, **more, "tokens": tokens, "train_seconds": self.state["train_seconds"],
-                   "flops": self.flops_per_token * tokens, "peak_mem_gib": peak_memory_gib(self.device)}
+                   "flops": self.flops_per_token * tokens, "peak_mem_gib": self.state["peak_mem_gib"]}
         self({"step": step, "summary": summary},
              "summary: " + " | ".join(f"{name} {shown(value)}" for name, value in summary.items()))
         if master_process and not self.args.dry_run:
@@ -1587,11 +1668,13 @@ def stop_if_asked(device):
         raise StopRun
 
 
-def sync_ranks(metrics):
-    """The mean over the ranks of each metric (a dict of device scalars): one all-reduce of one tensor."""
+def sync_ranks(metrics, mark_time=lambda part: None):
+    """The mean over the ranks of each metric (a dict of device scalars): one all-reduce of one tensor, the step's
+    "sync" part (step_timer)."""
     values = torch.stack(list(metrics.values())).float()
     if world_size > 1:
         dist.all_reduce(values)
+    mark_time("sync")  # before the host sync below, which waits for it
     means = (values / world_size).tolist()  # a host sync, a step's only one
     return dict(zip(metrics, means))
 # ---- end shared: signals ----
@@ -1817,6 +1900,8 @@ def parse_trainer_flags(p, argv, preset, start_flags, fixed, kind):
     --init_from is given: OpenAI's weights are as they are. An out_dir holding checkpoints continues its run, with
     the `fixed` flags as they were (continue_run). Muon's flags with AdamW, or the samples' with none, are refused."""
     args = p.parse_args(argv)
+    if {"max_steps", "max_tokens"} <= given_flags(argv):
+        die("--max_steps and --max_tokens both size the run: give one")
     if args.demo:
         take_defaults(args, argv, {key: value for key, value in preset.items()
                                     if not (args.init_from and key in start_flags)})

@@ -228,6 +228,12 @@ CASES = [
          expect="holds no checkpoint to continue from"),
     case("train-resume-empty-folder", "train_gpt2.py", *DATA, "--out_dir", "{tmp}/empty_run", "--resume",
          expect="holds no checkpoint to continue from"),
+    case("train-hellaswag_limit-no-file", "train_gpt2.py", "--hellaswag_limit", 10,
+         expect="--hellaswag_limit does nothing with no --hellaswag_file"),
+    case("train-max_steps-and-max_tokens", "train_gpt2.py", "--max_steps", 5, "--max_tokens", 1000,
+         expect="--max_steps and --max_tokens both size the run: give one"),
+    case("mid-max_steps-and-max_tokens", "mid_train.py", *MID, "--max_tokens", 1000, "--max_steps", 5,
+         expect="--max_steps and --max_tokens both size the run: give one"),
 ]
 
 

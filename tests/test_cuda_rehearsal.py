@@ -76,6 +76,9 @@ def test_train_gpt2_as_typed_on_a_gpu_machine(gpu_run):
     assert [r["hellaswag_acc_norm"] >= 0 for r in log if "hellaswag_acc_norm" in r] == [True] * 3
     assert {"rank 0: set_device 0", "rank 0: autocast cuda torch.bfloat16", "rank 0: float32_matmul_precision high",
             "rank 0: pin_memory", "rank 0: Generator cuda:0"} <= traced(out / "trace")
+    # where a step's time goes, from CUDA events (the fake's stamp the host's clock)
+    assert "rank 0: Event.record" in traced(out / "trace") and all(r["forward_backward_ms"] > 0 for r in log
+                                                                   if "loss" in r)
 
 
 def test_ddp_and_fsdp_as_typed_on_two_gpus(gpu_run, shards, tmp_path):

@@ -139,6 +139,24 @@ def test_fsdp_with_fewer_val_rows_than_ranks_times_batch_matches_ddp_and_the_ref
         assert abs(logged - expected.item()) < 1e-5, (logged, expected)
 
 
+def test_the_lr_decays_to_zero_at_the_last_trained_step_however_few_the_steps():
+    from argparse import Namespace
+    for max_steps in (3, 10, 1000):
+        args = Namespace(max_steps=max_steps, warmdown_frac=0.2, init_lr_frac=1.0)
+        lrs = [mid_train.lr_multiplier(step, args) for step in range(max_steps)]  # the steps that train
+        assert lrs[0] == 1.0 and lrs[-1] == 0.0 and all(a >= b for a, b in zip(lrs, lrs[1:])), lrs
+    # --init_lr_frac: the schedule starts at that share of the peak (nanochat's), and decays from there
+    args = Namespace(max_steps=10, warmdown_frac=0.5, init_lr_frac=0.25)
+    assert [mid_train.lr_multiplier(step, args) for step in (0, 9)] == [0.25, 0.0]
+
+
+def test_each_pass_reads_the_steps_in_a_new_order_that_follows_from_the_step_number():
+    passes = [[mid_train.first_row_of(step, 10, 4, seed=1337) for step in range(10 * p, 10 * p + 10)]
+              for p in range(3)]
+    assert passes[0] == list(range(0, 40, 4))  # the first pass in packed order
+    assert all(sorted(rows) == passes[0] for rows in passes) and passes[0] != passes[1] != passes[2]
+
+
 def test_midtraining_lowers_val_loss_and_chats(base_ckpt, tmp_path):
     write_chat(tmp_path / "chat.jsonl", conversations(240))
     write_chat(tmp_path / "bare.jsonl", conversations(60, seed=1), wrapped=False)

@@ -34,11 +34,15 @@ def test_the_same_command_continues_the_run_and_a_changed_model_is_one_line(shar
     again = run("train_gpt2.py", *command, "--max_steps", 6, check=True)
     assert "is complete" in again.stdout
     assert (out / "log.jsonl").read_bytes() == log_before
-    # with more steps: it goes on from step 6, and the log keeps every record
+    # with more steps: it goes on from step 6, and the log keeps every record; the summary's peak memory is the
+    # larger of the launches' (the first one's, as if on a bigger machine)
+    checkpoint = torch.load(out / "ckpt_0000006.pt", weights_only=True)
+    torch.save({**checkpoint, "peak_mem_gib": 99.0}, out / "ckpt_0000006.pt")
     more = run("train_gpt2.py", *command, "--max_steps", 9, check=True)
     assert "holds a run: continuing it" in more.stdout and "at step 6" in more.stdout
     steps = [r["step"] for r in read_log(out) if "loss" in r]
     assert steps == list(range(9)), steps
+    assert json.load(open(out / "summary.json"))["peak_mem_gib"] == 99.0
     assert checkpoints(out) == ["ckpt_0000003.pt", "ckpt_0000006.pt", "ckpt_0000009.pt"]
     # another model, or fewer steps than the run has: one line, and the folder as it was
     log_before = (out / "log.jsonl").read_bytes()
@@ -47,9 +51,24 @@ def test_the_same_command_continues_the_run_and_a_changed_model_is_one_line(shar
     for flags, words in changes:
         proc = run("train_gpt2.py", *command, *flags)
         assert proc.returncode == 2 and words in proc.stderr and "another --out_dir" in proc.stderr, proc.stderr
+        # checked before said: a refused run says nothing of going on
+        assert "continuing it" not in proc.stdout and "flags changed" not in proc.stdout, proc.stdout
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         assert (out / "log.jsonl").read_bytes() == log_before
         assert checkpoints(out) == ["ckpt_0000003.pt", "ckpt_0000006.pt", "ckpt_0000009.pt"]
+    # refused once the data is read: still nothing said of going on
+    proc = run("train_gpt2.py", *command, "--total_batch_size", 512, "--max_steps", 12)
+    assert proc.returncode == 2 and "data position" in proc.stderr and "continuing it" not in proc.stdout, proc.stdout
+
+
+def test_a_token_budget_trains_that_many_tokens_and_a_continued_run_goes_on_to_it(shards, tmp_path):
+    out = tmp_path / "run"
+    command = [*TINY, "--data_dir", shards, "--out_dir", out, "--eval_every", 2, "--save_every", 2]
+    run("train_gpt2.py", *command, "--max_tokens", 1024, check=True)
+    assert json.load(open(out / "summary.json"))["tokens"] == 1024  # 4 steps of 256
+    more = run("train_gpt2.py", *command, "--max_tokens", 1536, check=True)
+    assert "max_tokens 1024 -> 1536" in more.stdout and json.load(open(out / "summary.json"))["tokens"] == 1536
+    assert [r["step"] for r in read_log(out) if "loss" in r] == list(range(6))
 
 
 def test_val_bits_per_byte_equals_an_independent_computation(shards, tmp_path):
@@ -101,6 +120,11 @@ def test_interval_means_equal_the_means_of_the_steps_on_one_and_two_processes(sh
                 mean = sum(each[s][key] for s in steps) / len(steps)
                 assert abs(record[key] - mean) < tolerance * abs(mean), (name, key, record, mean)
             assert abs(record["last_loss"] - each[steps[-1]]["loss"]) < tolerance * each[steps[-1]]["loss"]
+            last_grad_norm = each[steps[-1]]["grad_norm"]
+            assert abs(record["last_grad_norm"] - last_grad_norm) < tolerance * last_grad_norm
+            # where the step's time goes: its parts, which add up to at most the step's time (the slowest rank's)
+            parts = [record[f"{part}_ms"] for part in ("data", "forward_backward", "optimizer", "sync")]
+            assert min(parts) >= 0 and record["forward_backward_ms"] > 0 and sum(parts) <= record["ms"], record
             assert record["tokens"] == each[steps[-1]]["tokens"] == (steps[-1] + 1) * 256
 
 
@@ -170,7 +194,9 @@ def test_a_folder_of_the_other_script_or_its_own_start_is_refused(base_ckpt, tmp
     mid = tmp_path / "mid"
     mid_flags = ["--data", f"chat:{chat}", "--device", "cpu", "--dtype", "float32", "--compile", "off",
                  "--micro_batch_size", 4, "--num_samples", 0, "--val_fraction", 0.1]
-    run("mid_train.py", "--init_ckpt", base_ckpt, "--out_dir", mid, *mid_flags, "--max_steps", 2, check=True)
+    first = run("mid_train.py", "--init_ckpt", base_ckpt, "--out_dir", mid, *mid_flags, "--max_steps", 2, check=True)
+    # 4 rows of 64 tokens, where the base run's micro-batch was 4 of 32: what fit there may not here
+    assert "a micro-batch of 4 x 64 tokens is larger than the base run's (4 x 32)" in first.stdout, first.stdout
     base_files = sorted(os.listdir(base_ckpt))
     for script, flags in (("mid_train.py", ["--init_ckpt", base_ckpt, "--out_dir", base_ckpt, *mid_flags]),
                           ("mid_train.py", ["--init_ckpt", mid, "--out_dir", mid, *mid_flags]),

@@ -41,24 +41,33 @@ def test_tokenizer_is_gpt2_and_offline():
     assert enc.encode("Hello, I'm a language model,") == [15496, 11, 314, 1101, 257, 3303, 2746, 11]
 
 
-def test_single_batch_overfits():
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32))
-    tokens = torch.tensor(get_tokenizer().encode(open(os.path.join(REPO, "train_gpt2.py")).read()[:2000]))
-    x, y = tokens[:64].view(2, 32), tokens[1:65].view(2, 32)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for _ in range(150):
-        loss = model(x, y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    assert loss.item() < 0.2
+def test_single_batch_overfits(shards, tmp_path):
+    # --overfit_batch: the first step's batch (128 tokens), over and over, as a user checks an edited model
+    flags = [*TINY, "--total_batch_size", 128, "--lr", 1e-2, "--weight_decay", 0, "--max_steps", 100]
+    flags = [flag for flag in flags if flag not in ("--val_tokens", "512", "--num_samples", "0")]
+    run("train_gpt2.py", *flags, "--data_dir", shards, "--out_dir", tmp_path, "--overfit_batch", "--eval_every", 0,
+        check=True)
+    assert train_losses(tmp_path)[99] < 0.2
+
+
+def test_a_warm_up_past_the_last_step_shrinks_with_the_run_or_is_said(capsys):
+    from train_gpt2 import get_args
+    # the preset's 20 warm-up steps, past the 10 steps given: the same share of them, said in a line
+    assert get_args(["--demo", "--max_steps", "10", "--dry_run"]).warmup_steps == 1
+    assert "--demo's 20 warm-up steps are not below --max_steps 10: --warmup_steps 1" in capsys.readouterr().out
+    # one given is kept (a smoke run), and a line says the learning rate never decays
+    assert get_args(["--max_steps", "2", "--warmup_steps", "2", "--dry_run"]).warmup_steps == 2
+    assert "the learning rate never decays" in capsys.readouterr().out
 
 
 def test_loss_falls_on_real_text(shards, tmp_path):
     out = tmp_path / "run"
+    write_hellaswag_fixture(tmp_path / "hellaswag.jsonl")
     proc = run("train_gpt2.py", *TINY, "--data_dir", shards, "--out_dir", out, "--max_steps", 40, "--eval_every", 20,
-               "--num_samples", 1, "--sample_len", 8, check=True)
+               "--num_samples", 1, "--sample_len", 8, "--hellaswag_file", tmp_path / "hellaswag.jsonl",
+               "--hellaswag_limit", 4, check=True)
+    # each HellaSwag record says how many examples it scored: the first 4 of the file's 6
+    assert [r["hellaswag_examples"] for r in read_log(out) if "hellaswag_acc" in r] == [4, 4, 4]
     val = val_losses(out)
     assert val[40] < val[0] - 2.0, val
     assert "---- sample 0 ----\nHello, I'm a language model," in proc.stdout  # text, not a repr
@@ -128,6 +137,35 @@ def test_sigkill_resumes_from_last_checkpoint(shards, tmp_path):
     run("train_gpt2.py", *flags, "--out_dir", tmp_path / "straight", check=True)
     a, b = train_losses(tmp_path / "straight"), train_losses(killed)
     assert sorted(b) == list(range(60)) and all(a[s] == b[s] for s in a)
+
+
+def test_a_rank_killed_under_torchrun_max_restarts_goes_on_from_the_last_checkpoint(shards, tmp_path):
+    """torchrun --max_restarts 1 starts the ranks again when one dies, and the run goes on from its newest checkpoint
+    to the uninterrupted run's end. The restarted ranks must not read the dead attempt's addresses from torchrun's
+    store (they used to, now and then: gloo's "Connection refused", and the restart was spent)."""
+    flags = [*TINY, "--data_dir", shards, "--max_steps", 40, "--eval_every", 40, "--save_every", 4]
+    torchrun("train_gpt2.py", *flags, "--out_dir", tmp_path / "straight")
+    killed = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max_restarts=1",
+           os.path.join(REPO, "train_gpt2.py"), *map(str, flags), "--out_dir", str(killed)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        assert wait_for(lambda: (killed / "ckpt_0000004.pt").exists())
+
+        def rank_1():  # torchrun's worker of rank 1, by its environment
+            for pid in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    parent = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+                    if parent == proc.pid and b"RANK=1" in open(f"/proc/{pid}/environ", "rb").read().split(b"\0"):
+                        return int(pid)
+                except OSError:  # a process that has ended
+                    pass
+        os.kill(rank_1(), signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert val_losses(killed)[40] == val_losses(tmp_path / "straight")[40]
+    # the rank that survived says so in one line, not torch's traceback
+    assert "Traceback" not in stderr and "error: rank 0 lost another rank" in stderr, stderr[-3000:]
 
 
 def test_sigterm_saves_and_exits_cleanly(shards, tmp_path):

@@ -17,6 +17,7 @@ tensor larger than this is CUDA's out-of-memory error), FAKE_CUDA_TRACE (a file 
 CUDA-only call a process makes, so that a test can see which branches ran)."""
 
 import os
+import time
 from types import SimpleNamespace
 
 
@@ -100,6 +101,23 @@ def install():
     torch.cuda.get_device_properties = get_device_properties
     torch.cuda.set_per_process_memory_fraction = set_per_process_memory_fraction
     torch.cuda.synchronize = torch.cuda.reset_peak_memory_stats = index_of
+
+    # a CUDA event stamps the host's clock (on a CPU ops run as called); read before it is recorded, it fails as
+    # CUDA's does
+    class Event:
+        def __init__(self, enable_timing=False, blocking=False, interprocess=False):
+            self.seconds = None
+
+        def record(self, stream=None):
+            trace("Event.record")
+            self.seconds = time.perf_counter()
+
+        def elapsed_time(self, end):
+            if self.seconds is None or end.seconds is None:
+                raise RuntimeError("CUDA error: device not ready (an event not recorded)")
+            return (end.seconds - self.seconds) * 1000
+
+    torch.cuda.Event = Event
 
     # a CUDA generator is a CPU one
     class Generator(torch.Generator):
