@@ -80,7 +80,8 @@ def die(message):
 # values of those. The parsing (--demo, a continued run, the checks) is parse_trainer_flags', under the banner.
 
 # --demo: a small GPT that trains on data/demo (the stdlib's English, 0.4M tokens) in minutes on a 2-core CPU.
-# Steps of 1,024 tokens at lr 1e-3 reach a lower val loss than 2,048 at 3e-3 from half the tokens (issue 59).
+# Steps of 1,024 tokens at lr 1e-3 reach a lower val loss than 2,048 at 3e-3 from half the tokens
+# (bench/LOG.md has the runs).
 DEMO_PRESET = dict(
     data_dir="data/demo", out_dir="out/demo", n_layer=4, n_head=4, n_embd=256, block_size=256, seq_len=256,
     micro_batch_size=4, total_batch_size=1024, max_steps=200, warmup_steps=20, lr=1e-3,
@@ -492,16 +493,16 @@ def lr_multiplier(step, args):
 # ---- shared: step ----
 def train_step(model, optimizers, scaler, next_batch, grad_accum_steps, step_tokens, grad_clip,
                autocast_ctx, mark_time=lambda part: None):
-    """One optimizer step over grad_accum_steps micro-batches. Returns the step's metrics, this rank's part
-    of each as a device scalar (no host sync in here): its loss and gradient norm, and any metric added to
-    them, which the loop averages over the ranks and logs (the step line, log.jsonl, wandb). mark_time(part)
-    (step_timer's) ends each part: data, forward_backward, optimizer."""
+    """One optimizer step over grad_accum_steps micro-batches.
+    It returns the step's metrics (the loss, the gradient norm, and any you add) as device scalars of this rank,
+    so nothing here waits for the GPU. The loop averages them over the ranks and logs them.
+    mark_time(part) marks where each part of the step ends: data, forward_backward, optimizer."""
     metrics = {}
     loss_accum = 0.0
     for micro_step in range(grad_accum_steps):
         x, y = next_batch()  # on the device already
         mark_time("data")
-        # all-reduce the gradients on the last micro-step only: the ones before just add to .grad
+        # all-reduce the gradients on the last micro-step only; the ones before just add up in .grad
         last_micro_step = micro_step == grad_accum_steps - 1
         if isinstance(model, DDP):
             model.require_backward_grad_sync = last_micro_step
@@ -509,11 +510,11 @@ def train_step(model, optimizers, scaler, next_batch, grad_accum_steps, step_tok
             model.set_requires_gradient_sync(last_micro_step)
         with autocast_ctx:
             loss = model(x, y, reduction="sum")
-        # The step's loss is the mean over all its targets, on all ranks: the sum of the per-token losses
-        # divided by step_tokens. DDP and FSDP average the ranks' gradients (their sum / world_size), so each
-        # rank scales its sum by world_size / step_tokens. In pretraining every token is a target, and this
-        # is build-nanogpt's mean loss of a micro-batch divided by grad_accum_steps.
-        loss = loss * (world_size / max(step_tokens, 1))  # a step with no target at all: 0, not 0 / 0
+        # We want the mean loss over all the step's targets, on all ranks, so every target counts the same.
+        # So we sum each micro-batch's losses and divide by the step's number of targets, step_tokens.
+        # DDP and FSDP average the gradients over the ranks, so we multiply by world_size to undo that.
+        # In pretraining every token is a target: this is build-nanogpt's loss / grad_accum_steps.
+        loss = loss * (world_size / max(step_tokens, 1))  # a step with no targets gives 0, not 0 / 0
         loss_accum = loss_accum + loss.detach()
         scaler.scale(loss).backward()
         mark_time("forward_backward")
@@ -530,29 +531,6 @@ def train_step(model, optimizers, scaler, next_batch, grad_accum_steps, step_tok
     metrics.update(loss=loss_accum, grad_norm=grad_norm)
     return metrics
 
-
-def step_timer(device):
-    """(mark_time, time_parts) of one step: mark_time(part) gives the time since the last mark to that part;
-    time_parts() is each part's milliseconds (data_ms...), once the step's host sync has passed. On CUDA a mark is an
-    event that the GPU stamps as it gets there, so no mark waits for it (a part is the GPU's time: data_ms is the
-    copy and any wait for the host's batch); on a CPU, where ops run as called, the host's clock."""
-    cuda = device.startswith("cuda")
-    marks = []
-
-    def mark_time(part):
-        stamp = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
-        if cuda:
-            stamp.record()
-        marks.append((part, stamp))
-
-    def time_parts():
-        parts = {}
-        for (_, start), (part, end) in zip(marks, marks[1:]):
-            ms = start.elapsed_time(end) if cuda else (end - start) * 1000
-            parts[f"{part}_ms"] = parts.get(f"{part}_ms", 0.0) + ms
-        return parts
-    mark_time("start")
-    return mark_time, time_parts
 # ---- end shared: step ----
 
 
@@ -561,7 +539,7 @@ def step_timer(device):
 
 
 def main(argv=None):
-    handle_stop_signals()  # before any work: a stop asked for during the set-up is not lost
+    handle_stop_signals()  # first of all, so that a stop asked for during the set-up is not lost
     args = get_args(argv)
     device = init_distributed(args.device)
     torch.manual_seed(args.seed)
@@ -582,7 +560,7 @@ def main(argv=None):
     if rest:
         die(f"--total_batch_size {args.total_batch_size} is not divisible by micro_batch_size * seq_len * "
             f"world_size = {B} * {T} * {world_size}; change --total_batch_size or --micro_batch_size")
-    take_out_dir(args)
+    claim_out_dir(args)
 
     # ---- the model: the checkpoint of the run to continue, OpenAI's weights, or a new one
     checkpoint = None
@@ -620,8 +598,9 @@ def main(argv=None):
         hellaswag_examples = load_hellaswag(args.hellaswag_file, args.hellaswag_limit)
     enc = get_tokenizer()
     token_bytes = token_byte_counts(enc, raw_model.config.vocab_size, device)  # for val bits per byte
-    # each sample is a document that starts with the prompt: in the shards <|endoftext|> comes first
-    try:  # now, not at the first sample after hours of training
+    # Each sample is a new document that starts with the prompt. In the shards a document follows <|endoftext|>.
+    # We encode the prompt now, not at the first sample after hours of training.
+    try:
         prompt_ids = [EOT_TOKEN] + enc.encode(args.prompt)
     except ValueError as e:  # tiktoken refuses a special token's text
         die(f"--prompt {args.prompt!r} holds a special token ({str(e).splitlines()[0]}); give the prompt without it")
@@ -633,7 +612,7 @@ def main(argv=None):
     dtype = autocast_dtype(args.dtype, device)
     model, optimizers, scaler, autocast_ctx = setup_training(raw_model, args, dtype, device)
 
-    # ---- the run's state, in every checkpoint: a continued run takes it back whole
+    # ---- the run's state. Every checkpoint holds it, and a continued run takes it back whole.
     state = dict(step=0, loader=None, val_loss=None, best={"val_loss": math.inf, "val_bpb": math.inf},
                  hellaswag_acc_norm=None, tokens=0, train_seconds=0.0, peak_mem_gib=0.0, wandb_run_id=None)
     if checkpoint:
@@ -654,7 +633,7 @@ def main(argv=None):
             state["step"] = step
             state["loader"] = train_loader.state()  # where the step starts, also for a save at a fault within it
             last_step = step == args.max_steps
-            # (a continued run evaluates where it goes on from: its checkpoint's last eval may be off the grid)
+            # A continued run also evaluates where it goes on from, as its checkpoint's last eval may be off the grid.
             eval_now = args.eval_every and (step % args.eval_every == 0 or last_step or step == start_step)
 
             # once in a while evaluate the val loss
@@ -662,7 +641,7 @@ def main(argv=None):
                 val_loader.tokens_read = 0  # the same val tokens every time
                 val_loss, val_bpb = evaluate_val_loss(model, val_loader.next_batch, val_steps, token_bytes,
                                                       autocast_ctx, device)
-                judge_checkpoint(args, step, {"val_loss": val_loss}, saved=False)
+                prune_or_stop_if_diverged(args, step, {"val_loss": val_loss}, saved=False)
                 log.val(step, val_loss, val_bpb, val_tokens=val_steps * micro_step_tokens)
 
             # once in a while evaluate HellaSwag
@@ -673,8 +652,8 @@ def main(argv=None):
                 state["hellaswag_acc_norm"] = acc_norm  # the summary's
                 log({"step": step, "hellaswag_acc": acc, "hellaswag_acc_norm": acc_norm, "hellaswag_examples": count})
 
-            # once in a while sample from the model (not at the start: it has learned nothing new yet); under
-            # FSDP every rank runs the forward passes, as the weights are sharded
+            # once in a while sample from the model, but not at the start, where it has learned nothing new yet.
+            # Under FSDP every rank runs the forward passes, because the weights are sharded.
             if eval_now and args.num_samples and step > start_step and (master_process or args.fsdp):
                 samples = sample_tokens(raw_model, prompt_ids, args.num_samples, args.sample_len, enc.n_vocab,
                                         args.seed + step, device, autocast_ctx)
@@ -691,10 +670,10 @@ def main(argv=None):
                 log.summary(step, hellaswag_acc_norm=state["hellaswag_acc_norm"])
                 break
 
-            # one optimizer step; SIGTERM or Ctrl-C on any rank ends the run here (or in an eval) on every rank
+            # one optimizer step. SIGTERM or Ctrl-C on any rank ends the run here (or in an eval) on every rank.
             t0 = time.perf_counter()
             mark_time, time_parts = step_timer(device)  # where the step's time goes
-            stop_if_asked(device)  # every rank waits here for the slowest: the step's time counts that wait
+            stop_if_asked(device)  # every rank waits here for the slowest, and the step's time counts that wait
             mark_time("sync")
             learning_rates = set_schedule(optimizers, lr_multiplier(step, args), step, args)
             if args.overfit_batch:  # the quickest check that an edited model learns at all
@@ -702,13 +681,14 @@ def main(argv=None):
             metrics = train_step(model, optimizers, scaler, train_loader.next_batch, grad_accum_steps,
                                  args.total_batch_size, args.grad_clip, autocast_ctx, mark_time)
             metrics = sync_ranks(metrics, mark_time)  # the step's one host sync: the means over the ranks
-            # the weights are the next step's now: what a save at a fault from here on holds
+            # The weights are the next step's now, so a save at a fault from here on holds them.
             state["step"], state["loader"] = step + 1, train_loader.state()
             seconds = time.perf_counter() - t0
-            # the step's loss judges the weights it started from: a checkpoint of them is kept, or it diverged
-            judge_checkpoint(args, step, metrics, saved)
-            log.step(step, {**metrics, **learning_rates, **time_parts()}, seconds,
-                     train_loader.epoch)  # a line every --log_every steps
+            # The step's loss judges the weights it started from. Finite: their checkpoint is good, and older ones
+            # are pruned. Not finite: the run diverged, and it stops.
+            prune_or_stop_if_diverged(args, step, metrics, saved)
+            step_metrics = {**metrics, **learning_rates, **time_parts()}
+            log.step(step, step_metrics, seconds, train_loader.epoch)  # a line every --log_every steps
     except StopRun:
         stop_run(args, state, save)
     except Exception as fault:
@@ -1056,7 +1036,7 @@ def model_from_checkpoint(checkpoint):
 # checkpoints continues its run from the newest readable one, with its flags as the defaults (continue_run); the
 # run's state is one dict, saved in every checkpoint and taken back whole (restore_run). The loop saves a
 # checkpoint every --save_every steps and at the last step, of the weights that step starts from; the older ones
-# are pruned only once the new one's weights have given a finite loss (judge_checkpoint). Should they give a
+# are pruned only once the new one's weights have given a finite loss (prune_or_stop_if_diverged). Should they give a
 # non-finite one, the run stops at once, deletes that checkpoint and names the newest good one to resume from: a
 # diverging run never pushes good checkpoints out. SIGTERM or Ctrl-C on any rank stops every rank at the same
 # point (StopRun), and the step it was at is saved (stop_run). A dry run reads and writes no folder.
@@ -1170,7 +1150,7 @@ def steps_to_max_tokens(args, step=0, tokens=0):
     return step + math.ceil(max(0, args.max_tokens - tokens) / args.total_batch_size)
 
 
-def take_out_dir(args):
+def claim_out_dir(args):
     """Rank 0 takes --out_dir before any work (prepare_out_dir); a dry run takes none. The log and summary of a run
     that saved no checkpoint to go on from (--save_every 0, or killed before its first save) are kept beside the new
     run's, under the time they were set aside."""
@@ -1234,7 +1214,7 @@ def older_checkpoints(out_dir, step):
     return [path for path in checkpoint_files(out_dir)[::-1] if path < checkpoint_path(out_dir, step)]
 
 
-def judge_checkpoint(args, step, metrics, saved):
+def prune_or_stop_if_diverged(args, step, metrics, saved):
     """The losses in metrics, of the weights this step starts from, judge them. Finite: the checkpoint of them
     (saved at this step, if saved) is good, and the older ones past --keep_checkpoints go. Not: the run diverged
     and stops at once on every rank; that checkpoint is deleted, and the error line names the newest good one."""
@@ -1384,7 +1364,7 @@ class RunLog:
         code, diff = code_record()
         self.state["code"] = code["sha256"]  # in each checkpoint: a run continued by other code says so
         if master_process and not args.dry_run:
-            if os.path.exists(self.path):  # a continued run's (take_out_dir set a new run's aside)
+            if os.path.exists(self.path):  # a continued run's (claim_out_dir set a new run's aside)
                 with open(self.path, "rb") as f:
                     # A line cut short (a run killed as it wrote it) is the last, of a step the run makes again.
                     kept = [line for line in f if line.endswith(b"\n") and json.loads(line)["step"] < state["step"]]
@@ -1422,7 +1402,7 @@ class RunLog:
         if not master_process:
             return
         if line is None:
-            fields = [f"{name} {shown(value)}" for name, value in record.items() if name != "step"]
+            fields = [f"{name} {format_value(value)}" for name, value in record.items() if name != "step"]
             line = f"step {record['step']:5d}/{self.args.max_steps} | " + " | ".join(fields)
         print(line)
         if self.args.dry_run:
@@ -1494,13 +1474,13 @@ class RunLog:
         summary = {**best, **more, "tokens": tokens, "train_seconds": self.state["train_seconds"],
                    "flops": self.flops_per_token * tokens, "peak_mem_gib": self.state["peak_mem_gib"]}
         self({"step": step, "summary": summary},
-             "summary: " + " | ".join(f"{name} {shown(value)}" for name, value in summary.items()))
+             "summary: " + " | ".join(f"{name} {format_value(value)}" for name, value in summary.items()))
         if master_process and not self.args.dry_run:
             write_file(os.path.join(self.args.out_dir, "summary.json"),
                        lambda f: f.write(json.dumps(summary, indent=1).encode()), "free space in --out_dir")
 
 
-def shown(value):
+def format_value(value):
     """A value as its line shows it: a whole number with thousands separators, a float to 6 significant digits."""
     if isinstance(value, int):
         return f"{value:,}"
@@ -1577,6 +1557,30 @@ def peak_memory_gib(device):
     import resource
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # the process's peak: KiB, on macOS bytes
     return peak_rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+def step_timer(device):
+    """(mark_time, time_parts) of one step: mark_time(part) gives the time since the last mark to that part;
+    time_parts() is each part's milliseconds (data_ms...), once the step's host sync has passed. On CUDA a mark is an
+    event that the GPU stamps as it gets there, so no mark waits for it (a part is the GPU's time: data_ms is the
+    copy and any wait for the host's batch); on a CPU, where ops run as called, the host's clock."""
+    cuda = device.startswith("cuda")
+    marks = []
+
+    def mark_time(part):
+        stamp = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+        if cuda:
+            stamp.record()
+        marks.append((part, stamp))
+
+    def time_parts():
+        parts = {}
+        for (_, start), (part, end) in zip(marks, marks[1:]):
+            ms = start.elapsed_time(end) if cuda else (end - start) * 1000
+            parts[f"{part}_ms"] = parts.get(f"{part}_ms", 0.0) + ms
+        return parts
+    mark_time("start")
+    return mark_time, time_parts
 # ---- end shared: logging ----
 
 
@@ -1617,7 +1621,7 @@ def request_stop(signum, frame):
     signal.signal(signum, signal.SIG_DFL)  # a second signal stops at once
 
 
-class OutputThatCannotFail:
+class StreamThatFallsBackToDevNull:
     """sys.stdout and sys.stderr of a run. Under `| tee`, Ctrl-C ends tee too, and the next print would raise
     BrokenPipeError (a full disk: OSError) before the stop save. From the first failed write on, the stream's
     file descriptor points at /dev/null (so Python's flush at exit succeeds too), stderr says so, and the run goes
@@ -1649,7 +1653,7 @@ def handle_stop_signals():
     stops nothing."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, request_stop)
-    sys.stdout, sys.stderr = OutputThatCannotFail(sys.stdout), OutputThatCannotFail(sys.stderr)
+    sys.stdout, sys.stderr = StreamThatFallsBackToDevNull(sys.stdout), StreamThatFallsBackToDevNull(sys.stderr)
 
 
 class StopRun(Exception):
