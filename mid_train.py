@@ -97,8 +97,9 @@ def die(message):
 
 
 # -----------------------------------------------------------------------------
-# flags: as train_gpt2.py's, every setting of a run and its default on one screen: this script's own in get_args,
-# after its values of the flags both trainers have, which are in the shared block below it
+# flags: every setting of a run and its default, on one screen, as in train_gpt2.py.
+# get_args gives this trainer's defaults for the flags both trainers have (the shared block below it),
+# then adds its own flags.
 
 # the spelling tasks' `hub` (TASKS): nanochat's word list, dwyl/english-words' 370K words, downloaded once
 WORD_LIST_URL = "https://raw.githubusercontent.com/dwyl/english-words/refs/heads/master/words_alpha.txt"
@@ -257,7 +258,8 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # query, key and value in one matmul
-        # the rows of the matrices it stacks, query, key and value: Muon orthogonalizes each apart
+        # c_attn stacks three matrices, query, key and value, and Muon orthogonalizes each apart.
+        # So we declare the rows of each.
         self.c_attn.MUON_PARTS = [config.n_embd] * 3
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.c_proj.NANOGPT_SCALE_INIT = True

@@ -483,7 +483,8 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # query, key and value in one matmul
-        # the rows of the matrices it stacks, query, key and value: Muon orthogonalizes each apart
+        # c_attn stacks three matrices, query, key and value, and Muon orthogonalizes each apart.
+        # So we declare the rows of each.
         self.c_attn.MUON_PARTS = [config.n_embd] * 3
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.c_proj.NANOGPT_SCALE_INIT = True

@@ -74,10 +74,10 @@ def die(message):
 
 
 # -----------------------------------------------------------------------------
-# flags: every setting of a run and its default, here on one screen (--help prints the same). The flags both
-# trainers have are in the shared block below, with the defaults that differ given by each trainer's get_args; a
-# flag that a shared block reads (make_optimizers, the run, the log) goes there. This script's own follow its
-# values of those. The parsing (--demo, a continued run, the checks) is parse_trainer_flags', under the banner.
+# flags: every setting of a run and its default, here on one screen (--help prints the same).
+# The flags both trainers have are in the shared block below. get_args gives this trainer's defaults for them,
+# then adds its own flags. A flag that shared code reads (the optimizers, the run, the log) must go in the shared
+# block, or mid_train.py breaks. The parsing (--demo, a continued run, the checks) is under the banner.
 
 # --demo: a small GPT that trains on data/demo (the stdlib's English, 0.4M tokens) in minutes on a 2-core CPU.
 # Steps of 1,024 tokens at lr 1e-3 reach a lower val loss than 2,048 at 3e-3 from half the tokens
@@ -238,7 +238,8 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # query, key and value in one matmul
-        # the rows of the matrices it stacks, query, key and value: Muon orthogonalizes each apart
+        # c_attn stacks three matrices, query, key and value, and Muon orthogonalizes each apart.
+        # So we declare the rows of each.
         self.c_attn.MUON_PARTS = [config.n_embd] * 3
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.c_proj.NANOGPT_SCALE_INIT = True
