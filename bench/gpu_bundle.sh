@@ -50,6 +50,7 @@ chmod -R u+w "$dir"  # shared/ is read-only; a later run of this script replaces
 repo_bytes=$(git ls-files -co --exclude-standard -z | du -cb --files0-from=- | tail -1 | cut -f1)
 dir_bytes=$(du -sb "$dir" | cut -f1)
 mib() { echo "$(($1 / 1048576)).$(($1 % 1048576 * 10 / 1048576))"; }
-echo "$dir: $(mib "$dir_bytes") MiB ($(ls "$dir"/wheels) + data + peer); with the repo $(mib $((repo_bytes + dir_bytes))) MiB"
+echo "$dir: $(mib "$dir_bytes") MiB ($(ls "$dir"/wheels) + data + peer);" \
+     "with the repo $(mib $((repo_bytes + dir_bytes))) MiB"
 flag=$([[ $dir == .gpu_bundle ]] || echo " --bundle $dir")
 echo "on the GPU machine, in the repo: bash bench/gpu.sh$flag  (or --part PART for one part; see its header)"

@@ -132,7 +132,8 @@ def trajectory_peer(peer, work_dir, data_dir):
                    # fp32: autocast off
                    (r"torch\.autocast\(device_type=device_type, dtype=torch\.bfloat16\)",
                     "torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=False)", 4),
-                   (r"^(\s*)if .*step % 250 == 0.*:$", r"\1if False:", 3),  # val loss (+ checkpoint), HellaSwag, samples
+                   # val loss (+ checkpoint), HellaSwag, samples
+                   (r"^(\s*)if .*step % 250 == 0.*:$", r"\1if False:", 3),
                    (r"loss: \{loss_accum\.item\(\):\.6f\}", "loss: {loss_accum.item()!r}", 1),
                    (r"norm: \{norm:\.4f\}", "norm: {norm.item()!r}", 1)])
     print(f"$ (cd {work_dir} && python {os.path.basename(script)})  # the patched copy", flush=True)

@@ -24,7 +24,8 @@ def anchors(path):
 
 
 def test_every_link_in_the_docs_resolves():
-    pages = ["README.md", *sorted(glob.glob("docs/*.md", root_dir=REPO)), *sorted(glob.glob("bench/*.md", root_dir=REPO))]
+    pages = ["README.md", *sorted(glob.glob("docs/*.md", root_dir=REPO)),
+             *sorted(glob.glob("bench/*.md", root_dir=REPO))]
     broken = []
     for page in pages:
         with open(os.path.join(REPO, page)) as f:
