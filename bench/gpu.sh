@@ -87,7 +87,11 @@ step() {  # step NAME COMMAND...: run it with its output in the part's log too; 
         cap=(timeout -k 5 $((end - SECONDS)))
     fi
     echo "=== $name: $*" | tee -a "$log"
-    "${cap[@]}" "$@" 2>&1 | tee -a "$log"
+    if declare -F "$1" >/dev/null; then  # a function of this script: timeout cannot run it; it caps its own commands
+        "$@" 2>&1 | tee -a "$log"
+    else
+        "${cap[@]}" "$@" 2>&1 | tee -a "$log"
+    fi
     rc=${PIPESTATUS[0]}
     ((rc == 0)) || failed+=("$part: $name")
     echo "=== $name: $( ((rc == 0)) && echo PASS || echo "FAIL (exit $rc)"), $((SECONDS - start)) s" | tee -a "$log"
@@ -96,8 +100,8 @@ step() {  # step NAME COMMAND...: run it with its output in the part's log too; 
 make_shards() {  # the bundle's FineWeb parquet as token shards of 500K tokens (the first is val), once per machine
     [[ -f $shards/.complete ]] && echo "$shards made already" && return
     rm -rf "$shards"
-    python3 prepare_fineweb.py --input "$bundle/fineweb/*.parquet" --out_dir "$shards" --shard_size $shard_size \
-        && touch "$shards/.complete"
+    "${cap[@]}" python3 prepare_fineweb.py --input "$bundle/fineweb/*.parquet" --out_dir "$shards" \
+        --shard_size $shard_size && touch "$shards/.complete"
 }
 
 resume_exact() {  # 20 steps twice, and from the step-10 checkpoint of the first: the resumed run must match the
@@ -106,9 +110,9 @@ resume_exact() {  # 20 steps twice, and from the step-10 checkpoint of the first
     local dir=out/gpu/resume
     local flags=("${small[@]}" --data_dir "$shards" --max_steps 20 --eval_every 10 --save_every 10 --num_samples 0)
     rm -rf $dir && mkdir -p $dir/resumed
-    python3 train_gpt2.py "${flags[@]}" --out_dir $dir/straight && cp $dir/straight/ckpt_0000010.pt $dir/resumed/ &&
-        python3 train_gpt2.py "${flags[@]}" --out_dir $dir/repeat &&
-        python3 train_gpt2.py "${flags[@]}" --out_dir $dir/resumed --resume || return
+    local run=("${cap[@]}" python3 train_gpt2.py "${flags[@]}")
+    "${run[@]}" --out_dir $dir/straight && cp $dir/straight/ckpt_0000010.pt $dir/resumed/ &&
+        "${run[@]}" --out_dir $dir/repeat && "${run[@]}" --out_dir $dir/resumed --resume || return
     python3 - $dir <<'EOF'
 import json, sys
 def losses(run):  # {(step, "loss" or "val_loss"): value}
