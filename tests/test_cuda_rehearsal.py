@@ -62,7 +62,7 @@ def test_train_gpt2_as_typed_on_a_gpu_machine(gpu_run):
     """python train_gpt2.py: cuda:0 in bf16, compiled, with the samples, HellaSwag and the MFU of an H100."""
     out, proc = gpu_run
     assert "| cuda:0 bfloat16 |" in proc.stdout
-    # the caching allocator's expandable segments, said in the start-up line and kept in the log (issue 55.8)
+    # the caching allocator's expandable segments, said in the start-up line and kept in the log
     assert "| PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in proc.stdout
     assert read_log(out)[0]["environment"]["variables"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     assert "compiling the model" in proc.stdout.split("step     0/")[0]  # compile auto: on for CUDA, said first
@@ -145,15 +145,15 @@ def test_out_of_gpu_memory_is_one_line(shards, tmp_path):
         "does not fit, the model and its optimizer state do not: a smaller model, or --fsdp over several GPUs"], proc.stderr
 
 
-def test_gpu_call_next_measures_every_variant_and_the_profile_figures(tmp_path):
-    """bench/gpu.sh --part next's GPU steps, dry, on a faked H100: bench/gpu_ab.py measures the baseline first and last
-    and every candidate (cuDNN attention, a bf16 residual stream, coordinate-descent tuning, max-autotune), then the
-    winners together, each compiled as the trainer compiles; bench/gpu_profile.py adds the matmul kernels' TFLOP/s,
+def test_gpu_speed_part_measures_every_variant_and_the_profile_figures(tmp_path):
+    """bench/gpu.sh --part speed's GPU steps, dry, on a faked H100: bench/train_speed.py measures the baseline first
+    and last and every candidate (cuDNN attention, a bf16 residual stream, coordinate-descent tuning, max-autotune),
+    then the winners together, each compiled as the trainer compiles; its --profile adds the matmul kernels' TFLOP/s,
     the fills' time, the versions and the GPU's clocks."""
     env = gpu_machine(tmp_path / "trace")
-    ab = tmp_path / "ab.jsonl"
-    proc = run("bench/gpu_ab.py", "--dry_run", "--warmup_steps", 1, "--timed_steps", 1, "--out", ab, env=env,
-               timeout=1200, check=True)
+    proc = run("bench/train_speed.py", "--dry_run", "--warmup_steps", 1, "--timed_steps", 1, "--out_dir",
+               tmp_path / "ab", env=env, timeout=1200, check=True)
+    ab = tmp_path / "ab" / "speed.jsonl"
     with open(ab) as f:
         lines = [json.loads(line) for line in f]
     assert [line["variant"] for line in lines] == ["baseline", "cudnn", "bf16_residual", "coord_descent",
@@ -164,8 +164,8 @@ def test_gpu_call_next_measures_every_variant_and_the_profile_figures(tmp_path):
     assert lines[2]["loss"] != lines[0]["loss"]  # the residual stream in bf16 rounds otherwise
     assert "autocast cuda torch.bfloat16" in "".join(traced(tmp_path / "trace"))
 
-    run("bench/gpu_profile.py", "--dry_run", "--micro_batch_size", 4, "--warmup_steps", 1, "--timed_steps", 1,
-        "--profiled_steps", 1, "--out_dir", tmp_path, env=env, timeout=600, check=True)
+    run("bench/train_speed.py", "--dry_run", "--variants", "--profile", "--micro_batch_size", 4, "--warmup_steps", 1,
+        "--timed_steps", 1, "--profiled_steps", 1, "--out_dir", tmp_path, env=env, timeout=600, check=True)
     with open(tmp_path / "profile_B4.json") as f:
         figures = json.load(f)
     assert figures["versions"]["torch"] == torch.__version__ and "cudnn" in figures["versions"]

@@ -40,7 +40,7 @@ def test_fsdp_matches_ddp_resumes_exactly_and_loads_everywhere(shards, tmp_path)
 
 
 def test_fsdp_losses_are_float32_in_a_bfloat16_policy(shards, tmp_path):
-    """Issue 55.1: FSDP with a bfloat16 policy computes its losses in float32, as DDP's autocast does: its train and
+    """FSDP with a bfloat16 policy computes its losses in float32, as DDP's autocast does: its train and
     val losses agree with DDP's in bfloat16 far closer than bfloat16's own step near 10 nats (0.0625)."""
     flags = [*TINY, "--n_embd", 64, "--data_dir", shards, "--max_steps", 3, "--eval_every", 3, "--save_every", 100,
              "--total_batch_size", 512, "--dtype", "bfloat16"]

@@ -29,7 +29,7 @@ def test_muon_trains_resumes_exactly_and_ddp_matches(shards, tmp_path):
     run("train_gpt2.py", *flags, "--out_dir", tmp_path / "straight", check=True)
     straight = train_losses(tmp_path / "straight")
     assert val_losses(tmp_path / "straight")[10] < val_losses(tmp_path / "straight")[0] - 0.3
-    # each optimizer's lr is in the record (issue 55.6): Muon's warms up and decays as AdamW's does, from its own peak
+    # each optimizer's lr is in the record: Muon's warms up and decays as AdamW's does, from its own peak
     records = [r for r in read_log(tmp_path / "straight") if "loss" in r]
     assert all(abs(r["muon_lr"] / r["lr"] - 0.02 / 3e-3) < 1e-6 for r in records), records[0]
     ckpt = torch.load(tmp_path / "straight" / "ckpt_0000005.pt", weights_only=True)

@@ -99,7 +99,6 @@ def test_val_bits_per_byte_equals_an_independent_computation(shards, tmp_path):
     assert summary["best_val_bpb"] == min(r["val_bpb"] for r in read_log(out) if "val_bpb" in r)
     assert summary["tokens"] == 4 * 256 and summary["train_seconds"] > 0 and summary["flops"] > 0
     # the val record says the tokens and FLOPs so far, and a step record the training time and the data's epoch
-    # (issue 55.7)
     assert logged["tokens"] == 4 * 256 and logged["flops"] == summary["flops"]
     steps = [r for r in read_log(out) if "loss" in r]
     assert [r["epoch"] for r in steps] == [0] * 4 and 0 < steps[0]["train_seconds"] < steps[-1]["train_seconds"]
@@ -219,7 +218,7 @@ def test_a_dry_run_writes_nothing_and_flags_that_do_nothing_are_refused(shards, 
     proc = run("train_gpt2.py", *TINY, "--data_dir", shards, "--out_dir", out, "--max_steps", 2, "--eval_every", 2,
                "--dry_run", check=True)
     assert not out.exists() and "summary: best_val_loss" in proc.stdout
-    assert "--dry_run reads and writes no out_dir: --out_dir go unused" in proc.stdout  # issue 56.11
+    assert "--dry_run reads and writes no out_dir: --out_dir go unused" in proc.stdout
     proc = run("train_gpt2.py", *TINY, "--data_dir", shards, "--out_dir", out, "--muon_lr", 5)
     assert proc.returncode == 2 and proc.stderr == "error: --muon_lr does nothing with --optimizer adamw; drop it\n"
     # evals and checkpoints off
@@ -277,7 +276,7 @@ def test_a_conversation_left_with_nothing_to_learn_is_left_out_with_a_line(base_
 
 
 def test_val_rows_with_no_text_to_learn_are_one_line(base_ckpt, tmp_path):
-    """Issue 55.5: empty replies leave only special tokens to learn (no bytes of text): such conversations are left
+    """Empty replies leave only special tokens to learn (no bytes of text): such conversations are left
     out, and with none left one error line says so, not a ZeroDivisionError in the val bits per byte."""
     chat = tmp_path / "chat.jsonl"
     with open(chat, "w") as f:
@@ -293,7 +292,7 @@ def test_val_rows_with_no_text_to_learn_are_one_line(base_ckpt, tmp_path):
 
 
 def test_a_new_run_into_a_folder_with_a_log_but_no_checkpoint_keeps_that_log(shards, tmp_path):
-    """Issue 56.2: a run that saved no checkpoint (--save_every 0, or killed before its first save) leaves only its
+    """A run that saved no checkpoint (--save_every 0, or killed before its first save) leaves only its
     log and summary; a new run into that folder keeps them whole beside its own, and says so."""
     out = tmp_path / "nosave"
     command = [*TINY, "--data_dir", shards, "--out_dir", out, "--max_steps", 2, "--eval_every", 2]
@@ -308,7 +307,7 @@ def test_a_new_run_into_a_folder_with_a_log_but_no_checkpoint_keeps_that_log(sha
 
 
 def test_a_continued_run_logs_the_val_loss_of_the_step_it_goes_on_from(shards, tmp_path):
-    """Issue 56.4: the final eval of a run (step 5, off the --eval_every 4 grid) is in the log after the run goes on,
+    """The final eval of a run (step 5, off the --eval_every 4 grid) is in the log after the run goes on,
     with the value the first run logged."""
     out = tmp_path / "offgrid"
     command = [*TINY, "--data_dir", shards, "--out_dir", out, "--eval_every", 4, "--save_every", 100]
@@ -321,7 +320,7 @@ def test_a_continued_run_logs_the_val_loss_of_the_step_it_goes_on_from(shards, t
 
 
 def test_an_optimizer_state_that_does_not_fit_is_one_line(shards, tmp_path):
-    """Issue 56.9: a fork unties the head (a new weight, the same number of parameter groups) and continues a run of
+    """A fork unties the head (a new weight, the same number of parameter groups) and continues a run of
     the tied model: one error line, not torch's traceback from the optimizer's state."""
     out = tmp_path / "untied"
     command = [*TINY, "--data_dir", shards, "--out_dir", out, "--eval_every", 100, "--save_every", 2]
@@ -339,7 +338,7 @@ def test_an_optimizer_state_that_does_not_fit_is_one_line(shards, tmp_path):
 
 
 def test_when_stdout_fails_the_run_goes_on_and_says_so_on_stderr(shards, tmp_path):
-    """Issue 56.14: stdout's reader goes away (a closed pipe); the run finishes, and stderr says why it went quiet."""
+    """Stdout's reader goes away (a closed pipe); the run finishes, and stderr says why it went quiet."""
     out = tmp_path / "quiet"
     cmd = [sys.executable, os.path.join(REPO, "train_gpt2.py"), *map(str, TINY), "--data_dir", shards,
            "--out_dir", str(out), "--max_steps", 6, "--eval_every", 6]
@@ -354,7 +353,7 @@ def test_when_stdout_fails_the_run_goes_on_and_says_so_on_stderr(shards, tmp_pat
 
 
 def test_a_dry_run_leaves_nothing_behind_on_any_exit(shards, tmp_path):
-    """Issue 55.4: a dry run reads and writes no folder: stopped by a signal it says it keeps nothing, and neither a
+    """A dry run reads and writes no folder: stopped by a signal it says it keeps nothing, and neither a
     stop nor an error leaves a folder behind, in the working folder or the temporary one (where only the libraries'
     caches go)."""
     scratch = tmp_path / "tmp"
@@ -379,7 +378,7 @@ def test_a_dry_run_leaves_nothing_behind_on_any_exit(shards, tmp_path):
 
 
 def test_the_step_time_is_the_slowest_ranks_with_rank_0s_work_between_steps(shards, tmp_path):
-    """Issue 55.3: rank 0 alone writes the log between steps (here a slow disk: 2 s a record, in a copy of the
+    """Rank 0 alone writes the log between steps (here a slow disk: 2 s a record, in a copy of the
     script); the other rank waits for it in the next step, so the step's time, tok/s and MFU must count it."""
     source = open(os.path.join(REPO, "train_gpt2.py")).read()
     anchor = '        record = {**record, "time": round(time.time(), 3)}  # wall-clock seconds since 1970\n'

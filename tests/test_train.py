@@ -87,7 +87,7 @@ def test_resume_reproduces_uninterrupted_run(shards, tmp_path):
     run("train_gpt2.py", *flags, "--out_dir", straight, check=True)
     os.makedirs(resumed)  # stop at step 6: continue from that checkpoint in a fresh process
     checkpoint = torch.load(straight / "ckpt_0000006.pt", weights_only=True)
-    for group in checkpoint["optimizer"]["param_groups"]:  # a key that checkpoints before issue 30 held
+    for group in checkpoint["optimizer"]["param_groups"]:  # a key that older checkpoints held
         group["base_lr"] = 3e-3
     torch.save(checkpoint, resumed / "ckpt_0000006.pt")
     proc = run("train_gpt2.py", *flags, "--out_dir", resumed, "--resume", check=True)
@@ -230,7 +230,7 @@ def test_wandb_offline_run_holds_metrics_and_continues_on_resume(shards, tmp_pat
     proc = run("train_gpt2.py", *flags, "--max_steps", 8, "--resume", check=True)
     assert all(d.endswith(run_id) for d in glob.glob(str(out / "wandb" / "offline-run-*")))
     # the launch that goes on asks wandb to go on from the checkpoint's step (resume_from), where log.jsonl goes
-    # on, and says what wandb will show once synced (issue 55.2)
+    # on, and says what wandb will show once synced
     second = sorted(set(glob.glob(str(out / "wandb" / "offline-run-*"))) - set(run_dirs))
     assert len(second) == 1 and b"branch_point" in open(glob.glob(f"{second[0]}/run-*.wandb")[0], "rb").read()
     assert min(r["_step"] for r in read_wandb_history(second[0])) == 4

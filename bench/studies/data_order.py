@@ -3,8 +3,8 @@
 another (B), with a val shard of B. Read in file order, the model sees no B until half an epoch is gone; shuffled,
 it sees both from the start. Prints both val loss curves over one epoch.
 
-    python bench/data_order.py   # A: the Python stdlib's source, B: ../shared/data/tinyshakespeare_input.txt
-    python bench/data_order.py --text_a 'some/*.parquet' --text_b 'other/*.txt'
+    python bench/studies/data_order.py   # A: the Python stdlib's source, B: ../shared/data/tinyshakespeare_input.txt
+    python bench/studies/data_order.py --text_a 'some/*.parquet' --text_b 'other/*.txt'
 
 With --step_ms it instead runs the demo config for a few dozen steps in each order and prints the median of
 the step lines' ms (the whole step: the log has no data column of its own; needs data/demo: python
@@ -21,7 +21,7 @@ import sysconfig
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 from train_gpt2 import find_shards, load_shard  # noqa: E402
 

@@ -3,8 +3,8 @@ Muon vs AdamW on FineWeb text: AdamW at three learning rates, and Muon (for the 
 rest). The same model, tokens and schedule in every run. Prints the val loss curves, and for each run the tokens
 and the wall-clock it needs to reach the target: the best AdamW run's final val loss (--target to fix one).
 
-    python bench/muon_vs_adamw.py --make_from '../shared/data/fineweb/fineweb_legal_pilot_batches/*.parquet'
-    python bench/muon_vs_adamw.py --data_dir data/fineweb-bench --max_steps 1000    # shards made already
+    python bench/studies/muon_vs_adamw.py --make_from '../shared/data/fineweb/fineweb_legal_pilot_batches/*.parquet'
+    python bench/studies/muon_vs_adamw.py --data_dir data/fineweb-bench --max_steps 1000    # shards made already
 
 By default the runs go one after the other and Muon's AdamW part takes the best AdamW lr. With --parallel all
 runs train at once, one thread each, so that a machine shared with other work slows them alike (then Muon's
@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LEVELS = [8.0, 7.5, 7.0, 6.5, 6.0, 5.5, 5.0, 4.5]  # fixed val losses, to see whether a lead grows or shrinks
 
 

@@ -7,8 +7,8 @@ text, restating a question's words, or recalling a fact about a name asked about
 --teach_steps N first trains each model on nothing but that copying (AdamW, bf16 autocast), to see whether it can
 pick the skill up at all.
 
-    python bench/context_probe.py out/demo out/mid
-    python bench/context_probe.py out/demo --teach_steps 150
+    python bench/studies/context_probe.py out/demo out/mid
+    python bench/studies/context_probe.py out/demo --teach_steps 150
 """
 
 import argparse
@@ -19,7 +19,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import train_gpt2 as tg  # noqa: E402
 
 TEACH_IDS = (300, 20000)  # token ids of the copying lessons: common enough to have trained embeddings

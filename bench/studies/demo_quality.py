@@ -12,7 +12,7 @@ prints, for a checkpoint and its data folder:
 The quick start's target: the corpus at most 25% whitespace-only tokens, the samples at most
 max(1.5 x the corpus's share, 15%).
 
-    python bench/demo_quality.py out/demo --data_dir data/demo
+    python bench/studies/demo_quality.py out/demo --data_dir data/demo
 """
 
 import argparse
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import sample  # noqa: E402  (generate, as sample.py draws)
 import train_gpt2 as tg  # noqa: E402
 

@@ -15,7 +15,7 @@ and scores each reply against the reference, the first sentence of the name's do
 
 The echo baseline, a "reply" that only repeats the question's name, shows how much copying the name alone gets.
 
-    python bench/chat_score.py --ckpt out/mid --num_questions 200
+    python bench/studies/chat_score.py --ckpt out/mid --num_questions 200
 """
 
 import argparse
@@ -28,7 +28,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import mid_train as mt  # noqa: E402
 import prepare_fineweb  # noqa: E402  (the demo's names, and which are held out)
 import sample  # noqa: E402  (generate: greedy with the KV cache)
