@@ -188,7 +188,7 @@ def stdlib_texts():
 
 def is_held_out(name):
     """One name in 10, by a hash of the name (crc32: the same on every run, unlike hash()): never trained on
-    by mid_train.py --demo, asked by bench/chat_score.py."""
+    by mid_train.py --demo, asked by bench/studies/chat_score.py."""
     return zlib.crc32(name.encode()) % 10 == 0
 
 

@@ -37,34 +37,6 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 # ---- end shared: imports ----
 
-# ---- shared: ranks ----
-# This process's place among the processes torchrun started. Without torchrun the whole run is rank 0 of 1.
-def torchrun_variables():
-    """RANK and WORLD_SIZE. Malformed ones, or LOCAL_RANK, or under several processes MASTER_ADDR and MASTER_PORT
-    (set by hand, or by another launcher), are one error line here, before any work."""
-    env = {name: os.environ.get(name, default) for name, default in
-           (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"))}
-    if env["WORLD_SIZE"] != "1":  # the processes meet at MASTER_ADDR:MASTER_PORT
-        env.update(MASTER_ADDR=os.environ.get("MASTER_ADDR", ""), MASTER_PORT=os.environ.get("MASTER_PORT", ""))
-    if not (all(env[name].isdecimal() for name in env if name != "MASTER_ADDR")
-            and int(env["RANK"]) < int(env["WORLD_SIZE"]) and env.get("MASTER_ADDR", "-")
-            and 0 < int(env.get("MASTER_PORT", 1)) < 65536):
-        print(f"error: torchrun's variables are malformed ({', '.join(f'{k}={v!r}' for k, v in env.items())}): "
-              f"launch with torchrun, or unset them", file=sys.stderr)
-        sys.exit(2)
-    return int(env["RANK"]), int(env["WORLD_SIZE"])
-
-
-rank, world_size = torchrun_variables()
-master_process = rank == 0  # rank 0 prints, logs and writes checkpoints
-
-
-def print0(*args, **kwargs):
-    if master_process:
-        print(*args, **kwargs)
-# ---- end shared: ranks ----
-
-
 # ---- shared: die ----
 def die(message):
     """Bad input or a run-time fault: one line naming the problem and the fix, exit code 2, no traceback."""
@@ -698,10 +670,38 @@ def main(argv=None):
 
 
 # -----------------------------------------------------------------------------
-# Everything below supports main() and its loop, in about the order they call it: devices; the training setup
-# and optimizers; out-of-memory advice; the out_dir; checkpoints (loading, then their life in a run: resume,
+# Everything below supports main() and its loop, in about the order they call it: ranks and devices; the training
+# setup and optimizers; out-of-memory advice; the out_dir; checkpoints (loading, then their life in a run: resume,
 # save, prune, divergence) and OpenAI's weights; the log; stop signals; HellaSwag and samples; the tokenizer,
 # progress bars, files and flag types. Blocks marked "shared" are copies, kept equal by tools/sync_shared.py.
+
+# ---- shared: ranks ----
+# This process's place among the processes torchrun started. Without torchrun the whole run is rank 0 of 1.
+def torchrun_variables():
+    """RANK and WORLD_SIZE. Malformed ones, or LOCAL_RANK, or under several processes MASTER_ADDR and MASTER_PORT
+    (set by hand, or by another launcher), are one error line here, before any work."""
+    env = {name: os.environ.get(name, default) for name, default in
+           (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"))}
+    if env["WORLD_SIZE"] != "1":  # the processes meet at MASTER_ADDR:MASTER_PORT
+        env.update(MASTER_ADDR=os.environ.get("MASTER_ADDR", ""), MASTER_PORT=os.environ.get("MASTER_PORT", ""))
+    if not (all(env[name].isdecimal() for name in env if name != "MASTER_ADDR")
+            and int(env["RANK"]) < int(env["WORLD_SIZE"]) and env.get("MASTER_ADDR", "-")
+            and 0 < int(env.get("MASTER_PORT", 1)) < 65536):
+        print(f"error: torchrun's variables are malformed ({', '.join(f'{k}={v!r}' for k, v in env.items())}): "
+              f"launch with torchrun, or unset them", file=sys.stderr)
+        sys.exit(2)
+    return int(env["RANK"]), int(env["WORLD_SIZE"])
+
+
+rank, world_size = torchrun_variables()
+master_process = rank == 0  # rank 0 prints, logs and writes checkpoints
+
+
+def print0(*args, **kwargs):
+    if master_process:
+        print(*args, **kwargs)
+# ---- end shared: ranks ----
+
 
 # ---- shared: distributed ----
 def init_distributed(device):
