@@ -503,6 +503,11 @@ def read_checkpoint(path, mmap=False):
         GPTConfig(**checkpoint["config"])
         if "model" not in checkpoint:
             raise KeyError("model")
+    except OSError as e:
+        # a file there that cannot be read (EIO, EACCES) is no damaged checkpoint: it must not be moved aside
+        if not os.path.isfile(path):
+            return None, e.strerror or str(e)
+        die(f"cannot read {path} ({e.strerror or e}); check the file system and its permissions, then run again")
     except Exception as e:
         # torch's messages run to several sentences (and advice for a trusted file): the first says what failed
         return None, (str(e).strip() or type(e).__name__).splitlines()[0].split(". ")[0]

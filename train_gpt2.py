@@ -723,10 +723,12 @@ def init_distributed(device):
         die(f"--device {device}: {str(e).splitlines()[0]}; give auto, cpu, mps, cuda or cuda:N (torch "
             f"{torch.__version__} sees {torch.cuda.device_count()} CUDA device(s))")
     if world_size > 1:
-        # torchrun's store outlives a failed attempt (--max_restarts), with its ranks' addresses in it: each attempt
-        # keeps its keys apart, or a restarted rank may dial a dead one's port (gloo: "Connection refused")
-        store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/",
-                                 next(dist.rendezvous("env://"))[0])
+        # torchrun's store outlives a failed attempt (--max_restarts), with its ranks' addresses in it. Each
+        # attempt keeps its keys apart, or a restarted rank may dial a dead one's port (gloo: "Connection
+        # refused"). The restart count is the same for every rank of one node only; nodes can count apart.
+        store = next(dist.rendezvous("env://"))[0]
+        if os.environ.get("LOCAL_WORLD_SIZE", str(world_size)) == str(world_size):
+            store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/", store)
         backend, device_id = ("nccl", torch.device(device)) if device.startswith("cuda") else ("gloo", None)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, device_id=device_id)
     return device
@@ -932,13 +934,15 @@ def exit_on_out_of_memory(main, advice):
     try:
         return main()
     except Exception as e:  # torch's errors say "out of memory", a failed CPU allocation's in a RuntimeError
-        if dist.is_initialized() and (isinstance(e, dist.DistError) or "by peer" in str(e)):  # gloo's: "reset by peer"
+        out_of_memory = isinstance(e, MemoryError) or any(
+            text in str(e) for text in ("can't allocate memory", "not enough memory", "out of memory"))
+        lost_rank = isinstance(e, dist.DistError) or "by peer" in str(e)  # gloo's: "reset by peer"
+        if dist.is_initialized() and lost_rank and not out_of_memory:
             cause = str(e).splitlines()[0].split(". ")[0]
             print(f"error: rank {rank} lost another rank ({cause}); torchrun --max_restarts starts them again, and "
                   f"the same command goes on from the newest checkpoint", file=sys.stderr, flush=True)
+            sys.stdout.flush()
             os._exit(2)
-        out_of_memory = isinstance(e, MemoryError) or any(
-            text in str(e) for text in ("can't allocate memory", "not enough memory", "out of memory"))
         if not out_of_memory:
             raise
         memory = "GPU" if isinstance(e, torch.OutOfMemoryError) or "CUDA" in str(e) else "CPU"
@@ -1002,6 +1006,11 @@ def read_checkpoint(path, mmap=False):
         GPTConfig(**checkpoint["config"])
         if "model" not in checkpoint:
             raise KeyError("model")
+    except OSError as e:
+        # a file there that cannot be read (EIO, EACCES) is no damaged checkpoint: it must not be moved aside
+        if not os.path.isfile(path):
+            return None, e.strerror or str(e)
+        die(f"cannot read {path} ({e.strerror or e}); check the file system and its permissions, then run again")
     except Exception as e:
         # torch's messages run to several sentences (and advice for a trusted file): the first says what failed
         return None, (str(e).strip() or type(e).__name__).splitlines()[0].split(". ")[0]
@@ -1067,12 +1076,10 @@ def continue_run(args, argv, fixed, kind):
         args.out_dir, args.save_every = os.devnull, 0  # a folder that holds nothing and takes nothing
         return
     refuse_ignored(argv, {"--save_every 0": (args.save_every == 0, ["keep_checkpoints"])})
-    # the checkpoints, log and lock would land among the code (or in a folder holding it, or the one run from)
-    here = os.path.realpath(os.getcwd()), os.path.dirname(os.path.realpath(__file__))
-    if any(os.path.commonpath([os.path.realpath(args.out_dir), path]) == os.path.realpath(args.out_dir)
-           for path in here):
-        die(f"--out_dir {args.out_dir} holds the code or the folder run from; give the run a folder of its own "
-            f"(out/NAME)")
+    # the checkpoints, log and lock would land among the code (or in a folder holding it)
+    code_dir = os.path.dirname(os.path.realpath(__file__))
+    if os.path.commonpath([os.path.realpath(args.out_dir), code_dir]) == os.path.realpath(args.out_dir):
+        die(f"--out_dir {args.out_dir} holds the code; give the run a folder of its own (out/NAME)")
     if not checkpoint_files(args.out_dir):
         if args.resume:
             die(f"--resume: --out_dir {args.out_dir} holds no checkpoint to continue from; drop --resume to start "

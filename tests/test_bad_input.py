@@ -220,8 +220,8 @@ CASES = [
     # a run's folder: never the code's, nor the one run from; --resume needs a run to continue
     case("train-run-dotdot", "train_gpt2.py", *DATA[:2], *TINY, "--run", "..", "--max_steps", 1,
          expect="--run '..' is a name"),
-    case("train-out_dir-cwd", "train_gpt2.py", *DATA[:2], *TINY, "--out_dir", ".", "--max_steps", 1,
-         expect="--out_dir . holds the code or the folder run from"),
+    case("train-out_dir-above-the-code", "train_gpt2.py", *DATA[:2], *TINY, "--out_dir", os.path.dirname(REPO),
+         "--max_steps", 1, expect=f"--out_dir {os.path.dirname(REPO)} holds the code"),
     case("mid-out_dir-repo", "mid_train.py", *MID, "--out_dir", REPO, "--data", "chat:{tmp}/ok.jsonl",
          "--max_steps", 1, expect="holds the code"),
     case("train-resume-missing-folder", "train_gpt2.py", *DATA, "--out_dir", "{tmp}/no_run", "--resume",

@@ -186,6 +186,9 @@ def main():
     p.error = refuse
     p.add_argument("--all", action="store_true", help="check every script, not only those the edit reaches")
     args = p.parse_args()
+    # SIGTERM and SIGHUP (a timeout, a closed terminal) end it as Ctrl-C does: the cleanup below still runs
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, lambda signum, frame: sys.exit(1))
     started = time.time()
     problems = [f"{script}: shared block '{name}' differs from {other}: run python tools/sync_shared.py"
                 for script, name, other in differing_copies()] + contract_problems()

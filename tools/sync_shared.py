@@ -146,19 +146,15 @@ def is_args(node):
 
 
 def spelled_names(tree):
-    """The fields of a script's classes (a dataclass's) and its strings that are names (a table's keys)."""
-    fields = {node.target.id for cls in ast.walk(tree) if isinstance(cls, ast.ClassDef) for node in cls.body
-              if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
-    strings = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)
-               and node.value.isidentifier()}
-    keywords = {node.arg for node in ast.walk(tree) if isinstance(node, ast.keyword) and node.arg}  # dict(NAME=...)
-    return fields | strings | keywords
+    """The fields of a script's dataclasses: the flags a loop adds by name (train_gpt2.py's, one a GPTConfig field)."""
+    return {node.target.id for cls in ast.walk(tree) if isinstance(cls, ast.ClassDef) for node in cls.body
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
 
 
 def defined_flags(tree):
     """The names a script's args can hold: its flags (add_argument's --NAME or dest, also called by another name,
     set_defaults' keywords), and what its code sets on args (`args.NAME = ...`, setattr(args, "NAME", ...)). A flag
-    named at run time (f"--{name}", as each GPTConfig field is) may be any name the script spells (spelled_names)."""
+    named at run time (f"--{name}", as each GPTConfig field is) may be any field of its dataclasses (spelled_names)."""
     names = set()
     # add_argument, and the names it is given to be called by (`add = p.add_argument`)
     adders = {"add_argument"} | {target.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
