@@ -242,7 +242,8 @@ GROUPED_QUERY_ATTENTION = [
     ("train_gpt2.py", "    n_embd: int = 768\n", "    n_embd: int = 768\n    n_kv_head: int = 12\n"),
     ("train_gpt2.py",
      "        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # query, key and value in one matmul\n"
-     "        # the rows of the matrices it stacks, query, key and value: Muon orthogonalizes each apart\n"
+     "        # c_attn stacks three matrices, query, key and value, and Muon orthogonalizes each apart.\n"
+     "        # So we declare the rows of each.\n"
      "        self.c_attn.MUON_PARTS = [config.n_embd] * 3\n",
      "        self.kv_width = config.n_kv_head * (config.n_embd // config.n_head)\n"
      "        self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * self.kv_width)\n"
