@@ -1530,7 +1530,7 @@ def script_hashes():
 
 def code_record():
     """The code this run runs, for its first record: each script's sha256 and, in a git repo, the commit and
-    whether the tree differs from it (dirty); and that difference (git diff HEAD), empty when there is none.
+    whether the scripts' folder differs from it (dirty); and that difference (git diff HEAD), empty when none.
     Without git, outside a repo or before its first commit, commit and dirty are None."""
     import subprocess
     code = {"commit": None, "dirty": None, "sha256": script_hashes()}
@@ -1539,7 +1539,7 @@ def code_record():
                               check=True, timeout=30).stdout
     try:
         code["commit"] = git("rev-parse", "HEAD").decode().strip()
-        diff = git("diff", "HEAD")
+        diff = git("diff", "HEAD", "--", ".")  # the scripts' folder only, where the repo holds more
     except (OSError, subprocess.SubprocessError):
         return code, b""
     code["dirty"] = bool(diff)
